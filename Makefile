@@ -1,0 +1,31 @@
+# Two commands on a fresh clone: `make run` and `make test`. Both build .venv themselves.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: run test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/strata serve
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.engine
+
+clean:
+	rm -rf $(VENV) build *.egg-info

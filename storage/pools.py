@@ -1,0 +1,176 @@
+"""L1 KV pools: one paged pool for the full-attention layers and one for the sliding-window layers.
+
+Layout of one pool (the "L1 pool shape" every kernel and tier relies on)::
+
+    kv: [num_layers, num_pages, 2, page_size, num_kv_heads, head_dim]   (contiguous)
+
+so ``kv[l, p]`` -- the K and V of page ``p`` in pool layer ``l`` -- is one contiguous block of
+``page_elems = 2 * page_size * num_kv_heads * head_dim`` elements, and ``kv.view(L, P, page_elems)``
+is the flat view the transfer kernels use.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Sequence
+
+import torch
+
+from storage.config import KVPoolConfig
+
+FULL = "full"
+SWA = "swa"
+COMPONENTS = (FULL, SWA)
+
+
+class PageAllocator:
+    """Free-list page allocator. Lowest page indices are handed out first (deterministic)."""
+
+    def __init__(self, num_pages: int, name: str = "pool") -> None:
+        if num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        self.name = name
+        self.num_pages = num_pages
+        # Stack with the lowest index on top; `_is_free` makes double frees O(1) to detect.
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._is_free = bytearray(b"\x01" * num_pages)
+        self.peak_used = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def can_alloc(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        """Take ``n`` pages; raises MemoryError when fewer are free (nothing is taken then)."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if n > len(self._free):
+            raise MemoryError(f"{self.name}: {n} pages requested, {len(self._free)} free")
+        out = [self._free.pop() for _ in range(n)]
+        for p in out:
+            self._is_free[p] = 0
+        self.peak_used = max(self.peak_used, self.num_used)
+        return out
+
+    def free(self, pages: Iterable[int]) -> None:
+        pages = list(pages)
+        for p in pages:
+            if not (0 <= p < self.num_pages):
+                raise ValueError(f"{self.name}: page {p} out of range [0, {self.num_pages})")
+            if self._is_free[p]:
+                raise RuntimeError(f"{self.name}: page {p} freed twice")
+            self._is_free[p] = 1
+            self._free.append(p)
+
+    def reset_peak(self) -> None:
+        self.peak_used = self.num_used
+
+    def check_integrity(self, owners: Mapping[str, Iterable[int]] | None = None) -> None:
+        """Raise if the free list is inconsistent, or (with ``owners``) if a page is not owned by
+        exactly one of: the free list, or one owner (a tree node, a running request, ...)."""
+        free_set = set(self._free)
+        if len(free_set) != len(self._free):
+            raise AssertionError(f"{self.name}: free list has {len(self._free) - len(free_set)} duplicates")
+        flagged = sum(self._is_free)
+        if flagged != len(free_set) or any(not self._is_free[p] for p in free_set):
+            raise AssertionError(f"{self.name}: free flags ({flagged}) disagree with free list ({len(free_set)})")
+        if owners is None:
+            return
+        seen: dict[int, str] = {}
+        for owner, pages in owners.items():
+            for p in pages:
+                if p in free_set:
+                    raise AssertionError(f"{self.name}: page {p} owned by {owner} is also free")
+                if p in seen:
+                    raise AssertionError(f"{self.name}: page {p} owned by both {seen[p]} and {owner}")
+                seen[p] = owner
+        if len(seen) + len(free_set) != self.num_pages:
+            raise AssertionError(
+                f"{self.name}: {self.num_pages - len(seen) - len(free_set)} leaked pages "
+                f"(owned {len(seen)}, free {len(free_set)}, total {self.num_pages})"
+            )
+
+
+class KVPool:
+    """One component's paged KV storage plus its allocator.
+
+    ``layer_ids`` are the model layer indices stored here, in pool order.
+    """
+
+    def __init__(self, name: str, layer_ids: Sequence[int], num_pages: int, page_size: int,
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.name = name
+        self.layer_ids = list(layer_ids)
+        self.layer_slot = {lid: i for i, lid in enumerate(self.layer_ids)}
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        n = num_pages if self.layer_ids else 0
+        self.allocator = PageAllocator(n, name)
+        self.kv = torch.zeros(len(self.layer_ids), n, 2, page_size, num_kv_heads, head_dim,
+                              dtype=dtype, device=device)
+
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    @property
+    def page_elems(self) -> int:
+        """Elements of one page of one layer (K and V)."""
+        return 2 * self.page_size * self.num_kv_heads * self.head_dim
+
+    @property
+    def bytes_per_token(self) -> int:
+        return len(self.layer_ids) * 2 * self.num_kv_heads * self.head_dim * self.kv.element_size()
+
+    def flat(self) -> torch.Tensor:
+        """[num_layers, num_pages, page_elems] view for the transfer kernels."""
+        return self.kv.view(len(self.layer_ids), self.num_pages, self.page_elems)
+
+    def write(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V of T tokens. pages, offsets: [T] long; k, v: [T, num_kv_heads, head_dim]."""
+        s = self.layer_slot[layer]
+        self.kv[s, pages, 0, offsets] = k.to(self.kv.dtype)
+        self.kv[s, pages, 1, offsets] = v.to(self.kv.dtype)
+
+    def read(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of whole pages in order: pages [n] long -> two [n * page_size, num_kv_heads, head_dim]."""
+        s = self.layer_slot[layer]
+        blk = self.kv[s, pages]  # [n, 2, ps, H, D]
+        return (blk[:, 0].reshape(-1, self.num_kv_heads, self.head_dim),
+                blk[:, 1].reshape(-1, self.num_kv_heads, self.head_dim))
+
+
+class KVPools:
+    """The full pool and the SWA pool of one worker."""
+
+    def __init__(self, cfg: KVPoolConfig, layer_types: Sequence[str], num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        self.cfg = cfg
+        full_ids = [i for i, t in enumerate(layer_types) if t != "sliding_attention"]
+        swa_ids = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+        self.full = KVPool(FULL, full_ids, cfg.num_pages, cfg.page_size, num_kv_heads, head_dim, dtype, device)
+        self.swa = KVPool(SWA, swa_ids, cfg.num_swa_pages, cfg.page_size, num_kv_heads, head_dim, dtype, device)
+
+    def pool(self, component: str) -> KVPool:
+        if component == FULL:
+            return self.full
+        if component == SWA:
+            return self.swa
+        raise ValueError(f"unknown component {component!r}")
+
+    def pool_for_layer(self, layer: int) -> KVPool:
+        return self.full if layer in self.full.layer_slot else self.swa
+
+    def all_free(self) -> bool:
+        return all(p.allocator.num_free == p.num_pages for p in (self.full, self.swa))
+
+    def check_integrity(self, owners: Mapping[str, Mapping[str, Iterable[int]]] | None = None) -> None:
+        for comp in COMPONENTS:
+            self.pool(comp).allocator.check_integrity(None if owners is None else owners.get(comp, {}))
