@@ -1,0 +1,58 @@
+"""Configuration of one worker's engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from storage.config import KVPoolConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "strata-tiny"
+    page_size: int = 16
+    num_pages: int = 1024
+    swa_full_ratio: float = 0.5
+    max_batch_tokens: int = 512          # tokens per step (decode tokens + prefill chunks)
+    chunk_size: int = 0                  # longest prefill chunk; 0 means max_batch_tokens
+    max_running_requests: int = 64
+    device: str = "auto"                 # auto: cuda when present, else cpu
+    dtype: str = "float32"
+    seed: int = 0                        # seeds the sampler of requests without their own seed
+
+    def __post_init__(self) -> None:
+        KVPoolConfig(self.page_size, self.num_pages, self.swa_full_ratio)  # validates those fields
+        for name in ("max_batch_tokens", "max_running_requests"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 0:
+            raise ValueError(f"chunk_size must be an int >= 0, got {self.chunk_size!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(f"device {self.device!r} is not a torch device: {e}") from None
+
+    @property
+    def pool(self) -> KVPoolConfig:
+        return KVPoolConfig(self.page_size, self.num_pages, self.swa_full_ratio)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def effective_chunk_size(self) -> int:
+        return min(self.chunk_size or self.max_batch_tokens, self.max_batch_tokens)

@@ -1,0 +1,230 @@
+"""The offline engine of one worker: ``Engine.from_pretrained(...)``, ``generate``, and the step-level
+API (``add_request`` / ``step`` / ``abort``) the Ray workers drive."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+from typing import Sequence, Union
+
+import torch
+
+from engine.config import EngineConfig
+from engine.model.loader import load_model, resolve_model_path
+from engine.model.tokenizer import TextTokenizer
+from engine.request import Request, Status
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams, make_generator, sample
+from engine.scheduler import Scheduler, swa_pages_bound
+from storage.pools import KVPools
+
+Prompt = Union[str, Sequence[int]]
+
+
+@dataclass
+class GenerationOutput:
+    rid: str
+    token_ids: list[int]
+    text: str
+    prompt_tokens: int
+    cached_tokens: int
+    finish_reason: str | None
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request (for streaming)."""
+
+    rid: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.device = cfg.torch_device
+        path = resolve_model_path(cfg.model)
+        self.model_path = path
+        self.model_config, self.model = load_model(path, cfg.torch_dtype, self.device)
+        mc = self.model_config
+        try:
+            self.tokenizer: TextTokenizer | None = TextTokenizer(path)
+        except ValueError:
+            self.tokenizer = None
+        self.pools = KVPools(cfg.pool, mc.layer_types, mc.num_key_value_heads, mc.head_dim,
+                             cfg.torch_dtype, self.device)
+        window = mc.sliding_window if mc.sliding_layers else None
+        if window is not None and self.pools.swa.num_pages < swa_pages_bound(window, cfg.page_size):
+            raise ValueError(f"swa_full_ratio: the SWA pool ({self.pools.swa.num_pages} pages) cannot hold one "
+                             f"window ({swa_pages_bound(window, cfg.page_size)} pages of {cfg.page_size})")
+        self.scheduler = Scheduler(cfg.page_size, self.pools.full.allocator,
+                                   self.pools.swa.allocator if window is not None else None, window,
+                                   cfg.max_batch_tokens, cfg.max_running_requests, cfg.effective_chunk_size)
+        self.runner = ModelRunner(self.model, self.pools, self.device)
+        self.requests: dict[str, Request] = {}
+        self._arrival = itertools.count()
+        self._rid = itertools.count()
+        self._rng = torch.Generator().manual_seed(cfg.seed)
+        self.eos_ids = frozenset(mc.eos_token_id)
+        self.max_context = mc.max_position_embeddings
+        self.counters = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
+
+    @classmethod
+    def from_pretrained(cls, model: str = "strata-tiny", **kwargs) -> "Engine":
+        fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = set(kwargs) - fields
+        if unknown:
+            raise ValueError(f"unknown engine options: {sorted(unknown)}")
+        return cls(EngineConfig(model=str(model), **kwargs))
+
+    # ---- requests ----------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: a text prompt needs a tokenizer.json in the checkpoint")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise ValueError("prompt: must be a string or a list of token ids") from None
+        if any(isinstance(t, bool) or not float(t).is_integer() for t in prompt):
+            raise ValueError("prompt: token ids must be integers")
+        return ids
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, rid: str | None = None) -> str:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params: must be a SamplingParams")
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("prompt: empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_context:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room in the context of {self.max_context}")
+        longest = min(len(ids) + params.max_new_tokens, self.max_context)
+        pages = -(-longest // self.cfg.page_size)
+        if pages > self.pools.full.num_pages:
+            raise ValueError(f"prompt: {len(ids)} + max_new_tokens {params.max_new_tokens} tokens need {pages} "
+                             f"pages, the KV pool has {self.pools.full.num_pages}")
+        rid = rid if rid is not None else f"req-{next(self._rid)}"
+        if rid in self.requests:
+            raise ValueError(f"rid: {rid!r} is already in use")
+        req = Request(rid, ids, params, arrival=next(self._arrival))
+        if not params.greedy:
+            req.generator = make_generator(params.seed, self._rng)
+        self.requests[rid] = req
+        if params.max_new_tokens == 0:
+            self._finish(req, "length")
+        else:
+            self.scheduler.add(req)
+        return rid
+
+    def abort(self, rid: str) -> bool:
+        req = self.requests.get(rid)
+        if req is None or req.status is Status.FINISHED:
+            return False
+        self._finish(req, "abort")
+        return True
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.scheduler.remove(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- stepping ----------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        seqs = self.scheduler.schedule()
+        if not seqs:
+            return []
+        logits = self.runner.run(seqs)
+        self.counters["steps"] += 1
+        samplers = [sq for sq in seqs if sq.samples]
+        toks = sample(logits, [sq.req.params for sq in samplers], [sq.req.generator for sq in samplers])
+        outs: list[StepOutput] = []
+        for sq in seqs:
+            req = sq.req
+            req.num_computed = sq.end
+            key = "decode_tokens" if sq.n == 1 and req.output_ids else "prefill_tokens"
+            self.counters[key] += sq.n
+        for i, (sq, tok) in enumerate(zip(samplers, toks)):
+            req = sq.req
+            if req.params.return_logits:
+                req.logits.append(logits[i].detach().cpu().clone())
+            req.output_ids.append(tok)
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                self._finish(req, reason)
+            outs.append(StepOutput(req.rid, [tok], reason is not None, reason))
+        return outs
+
+    def _stop_reason(self, req: Request, tok: int) -> str | None:
+        p = req.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
+            return "stop"
+        if len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.max_context:
+            return "length"
+        return None
+
+    def pop_finished(self, rid: str) -> GenerationOutput:
+        """The output of a finished request, forgetting the request."""
+        out = self.output(rid)
+        if self.requests[rid].status is not Status.FINISHED:
+            raise ValueError(f"rid: {rid!r} has not finished")
+        del self.requests[rid]
+        return out
+
+    def output(self, rid: str) -> GenerationOutput:
+        req = self.requests[rid]
+        text = self.tokenizer.decode(req.output_ids) if self.tokenizer else ""
+        return GenerationOutput(rid, list(req.output_ids), text, len(req.prompt_ids), req.cached_tokens,
+                                req.finish_reason, list(req.logits))
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationOutput]:
+        """Run every prompt to completion in one continuous batch; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        rids = []
+        try:
+            for p, sp in zip(prompts, params):
+                rids.append(self.add_request(p, sp))
+        except ValueError:
+            for rid in rids:
+                self.abort(rid)
+            raise
+        while any(self.requests[r].status is not Status.FINISHED for r in rids):
+            self.step()
+        outs = [self.output(r) for r in rids]
+        for r in rids:
+            self.requests.pop(r, None)  # finished: keep nothing per request past its output
+        return outs
+
+    # ---- introspection -----------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def stats(self) -> dict:
+        p = self.pools
+        return {
+            **self.counters,
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.num_preemptions,
+            "pool": {c: {"used": p.pool(c).allocator.num_used, "total": p.pool(c).num_pages,
+                         "peak": p.pool(c).allocator.peak_used} for c in ("full", "swa")},
+            "kv_bytes_per_token": {"full": p.full.bytes_per_token, "swa": p.swa.bytes_per_token},
+        }

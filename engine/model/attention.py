@@ -1,0 +1,97 @@
+"""Attention over paged KV, with per-head sinks and the sliding window.
+
+A forward pass runs a flattened batch of T tokens made of segments, one per request: a prefill chunk
+(many tokens) or a decode step (one token). ``BatchMeta`` says where each segment's keys live:
+
+* full layers: the chunk's K/V are written to the full pool first, then each segment reads the
+  pages covering positions [0, end).
+* sliding layers: each segment reads only the window before its chunk ([lo, start) from the SWA pool)
+  and attends to that plus the chunk's fresh K/V; afterwards only the positions later steps still need
+  are written. Reads happen before writes within a layer, so the scheduler may hand a page that slides
+  out of the window during this step to a position written in this same step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from storage.pools import KVPool
+
+
+@dataclass
+class SegMeta:
+    """One request's segment of the batch. Tokens [t0, t1) sit at positions [start, start + t1 - t0)."""
+
+    t0: int
+    t1: int
+    start: int
+    full_pages: torch.Tensor        # [ceil(end / page_size)] pages covering [0, end)
+    swa_lo: int                     # first position read from the SWA pool (= max(0, start - W + 1))
+    swa_read_pages: torch.Tensor    # pages covering [swa_lo, start), in order
+
+    @property
+    def end(self) -> int:
+        return self.start + self.t1 - self.t0
+
+
+@dataclass
+class BatchMeta:
+    segs: list[SegMeta]
+    positions: torch.Tensor         # [T]
+    full_pages: torch.Tensor        # [T] write slot page of each token
+    full_offs: torch.Tensor         # [T]
+    swa_idx: torch.Tensor           # [Tw] tokens whose K/V are kept in the SWA pool
+    swa_pages: torch.Tensor         # [Tw]
+    swa_offs: torch.Tensor          # [Tw]
+    logit_idx: torch.Tensor         # [B'] tokens whose next-token logits are wanted
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,
+            sinks: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+    """q [n, Hq, D], k/v [m, Hkv, D], qpos [n], kpos [m], sinks [Hq] -> [n, Hq * D]."""
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    qh = q.reshape(n, hkv, g, d).permute(1, 2, 0, 3)              # [Hkv, G, n, D]
+    s = torch.matmul(qh, k.permute(1, 2, 0).unsqueeze(1)) * scale   # [Hkv, G, n, m]
+    allowed = kpos[None, :] <= qpos[:, None]
+    if window is not None:
+        allowed &= kpos[None, :] > qpos[:, None] - window
+    s = s.masked_fill(~allowed, float("-inf"))
+    sink = sinks.reshape(hkv, g, 1, 1).to(s.dtype).expand(hkv, g, n, 1)
+    logits = torch.cat([s, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    p = torch.softmax(logits, dim=-1)[..., :-1].to(v.dtype)
+    o = torch.matmul(p, v.permute(1, 0, 2).unsqueeze(1))           # [Hkv, G, n, D]
+    return o.permute(2, 0, 1, 3).reshape(n, hq * d)
+
+
+def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta,
+                    pool: KVPool, sinks: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] (already rotated) -> [T, Hq * D]."""
+    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+    if window is None:
+        pool.write(layer, meta.full_pages, meta.full_offs, k, v)
+        for sg in meta.segs:
+            kk, vv = pool.read(layer, sg.full_pages)
+            kk, vv = kk[:sg.end].to(q.dtype), vv[:sg.end].to(q.dtype)
+            kpos = torch.arange(sg.end, device=q.device)
+            out[sg.t0:sg.t1] = _attend(q[sg.t0:sg.t1], kk, vv, meta.positions[sg.t0:sg.t1], kpos,
+                                       sinks, scale, None)
+        return out
+    for sg in meta.segs:
+        n_old = sg.start - sg.swa_lo
+        if n_old:
+            ko, vo = pool.read(layer, sg.swa_read_pages)
+            off = sg.swa_lo % pool.page_size
+            kk = torch.cat([ko[off:off + n_old].to(q.dtype), k[sg.t0:sg.t1]])
+            vv = torch.cat([vo[off:off + n_old].to(q.dtype), v[sg.t0:sg.t1]])
+        else:
+            kk, vv = k[sg.t0:sg.t1], v[sg.t0:sg.t1]
+        kpos = torch.arange(sg.swa_lo, sg.end, device=q.device)
+        out[sg.t0:sg.t1] = _attend(q[sg.t0:sg.t1], kk, vv, meta.positions[sg.t0:sg.t1], kpos,
+                                   sinks, scale, window)
+    if meta.swa_idx.numel():
+        pool.write(layer, meta.swa_pages, meta.swa_offs, k[meta.swa_idx], v[meta.swa_idx])
+    return out

@@ -1,0 +1,57 @@
+"""A request's state inside one engine."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int = 0                      # admission order, for FIFO and preemption
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_computed: int = 0                 # tokens whose KV is in the pools
+    full_pages: list[int] = field(default_factory=list)            # by logical page
+    swa_pages: list[int | None] = field(default_factory=list)      # None: slid out of the window
+    cached_tokens: int = 0
+    num_preemptions: int = 0
+    logits: list[torch.Tensor] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        return (self.prompt_ids + self.output_ids)[start:end] if end > len(self.prompt_ids) \
+            else self.prompt_ids[start:end]
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to run through the model before the next token can be sampled."""
+        return self.seq_len - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.remaining == 1 and bool(self.output_ids)
+
+    def owned_swa_pages(self) -> list[int]:
+        return [p for p in self.swa_pages if p is not None]
