@@ -1,0 +1,65 @@
+"""The ``strata`` command.
+
+    strata serve [--prompt TEXT ...]   # until the Ray cluster lands: an offline demo generation
+    strata bench [--quick]             # engine throughput table (bench/engine.py)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+DEMO_PROMPTS = ("The sliding window keeps", "Multi-turn traffic reuses", "Experts are balanced by")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from engine import Engine, SamplingParams
+
+    t = time.perf_counter()
+    eng = Engine.from_pretrained(args.model, page_size=16, num_pages=1024)
+    print(f"strata: loaded {args.model} from {eng.model_path} in {time.perf_counter() - t:.1f}s "
+          f"({eng.model_config.num_hidden_layers} layers, window {eng.model_config.sliding_window}, "
+          f"{eng.model_config.num_local_experts} experts)")
+    prompts = args.prompt or list(DEMO_PROMPTS)
+    t = time.perf_counter()
+    outs = eng.generate(prompts, SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True))
+    dt = time.perf_counter() - t
+    for p, o in zip(prompts, outs):
+        print(f"\n> {p}\n  tokens {o.token_ids}\n  text   {o.text!r}  ({o.finish_reason})")
+    n = sum(len(o.token_ids) for o in outs)
+    print(f"\n{n} tokens in {dt:.2f}s. strata-tiny has random weights, so the text is noise; "
+          "the tokens are exactly those of transformers' GptOss on the same checkpoint.")
+    print("HTTP serving on 127.0.0.1:8000 arrives with the Ray cluster ([cluster] issue).")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from bench import engine as bench_engine
+
+    sys.argv = ["bench.engine"] + (["--quick"] if args.quick else [])
+    bench_engine.main()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="strata", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="start serving (offline demo for now)")
+    s.add_argument("--model", default="strata-tiny")
+    s.add_argument("--prompt", action="append")
+    s.add_argument("--max-new-tokens", type=int, default=24)
+    s.set_defaults(fn=_serve)
+    b = sub.add_parser("bench", help="engine throughput table")
+    b.add_argument("--quick", action="store_true")
+    b.set_defaults(fn=_bench)
+    args = ap.parse_args(argv)
+    try:
+        return args.fn(args)
+    except ValueError as e:
+        print(f"strata: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
