@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.attention import BatchMeta, SegMeta
+from engine.model.attention import BatchMeta, DecodeMeta, SegMeta
 from engine.model.gpt_oss import GptOssForCausalLM
 from engine.scheduler import ScheduledSeq
 from storage.pools import KVPools
@@ -28,6 +28,7 @@ class ModelRunner:
         swa_offs: list[int] = []
         logit_idx: list[int] = []
         segs: list[SegMeta] = []
+        dec: list[tuple[int, ScheduledSeq]] = []
         t = 0
         for sq in seqs:
             r = sq.req
@@ -40,9 +41,12 @@ class ModelRunner:
                 swa_idx.append(t + p - sq.start)
                 swa_pages.append(page)
                 swa_offs.append(off)
-            segs.append(SegMeta(t, t + sq.n, sq.start,
-                                torch.tensor(sq.full_pages, dtype=torch.long, device=dev),
-                                sq.swa_lo, torch.tensor(sq.swa_read_pages, dtype=torch.long, device=dev)))
+            if sq.n == 1:
+                dec.append((t, sq))
+            else:
+                segs.append(SegMeta(t, t + sq.n, sq.start,
+                                    torch.tensor(sq.full_pages, dtype=torch.long, device=dev),
+                                    sq.swa_lo, torch.tensor(sq.swa_read_pages, dtype=torch.long, device=dev)))
             t += sq.n
             if sq.samples:
                 logit_idx.append(t - 1)
@@ -51,8 +55,33 @@ class ModelRunner:
             return torch.tensor(x, dtype=torch.long, device=dev)
 
         meta = BatchMeta(segs, lt(pos), lt(fpages), lt(foffs), lt(swa_idx), lt(swa_pages), lt(swa_offs),
-                         lt(logit_idx))
+                         lt(logit_idx), self._decode_meta(dec) if dec else None)
         return lt(ids), meta
+
+    def _decode_meta(self, dec: list[tuple[int, ScheduledSeq]]) -> DecodeMeta:
+        """Pad the one-token segments' page lists into rectangles; masks mark the real key slots."""
+        ps, dev = self.page_size, self.device
+        b = len(dec)
+        p_max = max(len(sq.full_pages) for _, sq in dec)
+        r_max = max(len(sq.swa_read_pages) for _, sq in dec)
+        full = torch.zeros(b, p_max, dtype=torch.long)
+        swa = torch.zeros(b, r_max, dtype=torch.long)
+        ends = torch.empty(b, dtype=torch.long)
+        lo = torch.empty(b, dtype=torch.long)
+        start = torch.empty(b, dtype=torch.long)
+        for i, (_, sq) in enumerate(dec):
+            full[i, :len(sq.full_pages)] = torch.tensor(sq.full_pages, dtype=torch.long)
+            if sq.swa_read_pages:
+                swa[i, :len(sq.swa_read_pages)] = torch.tensor(sq.swa_read_pages, dtype=torch.long)
+            ends[i], start[i] = sq.end, sq.start
+            # Position of the first slot of the first read page.
+            lo[i] = sq.swa_lo
+        slot = torch.arange(p_max * ps)
+        full_valid = slot[None, :] < ends[:, None]
+        rslot = torch.arange(r_max * ps)[None, :] + (lo - lo % ps)[:, None]
+        swa_valid = (rslot >= lo[:, None]) & (rslot < start[:, None])
+        return DecodeMeta(torch.tensor([t for t, _ in dec], dtype=torch.long, device=dev), full.to(dev),
+                          full_valid.to(dev), swa.to(dev), swa_valid.to(dev))
 
     def run(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
         """-> logits [number of sampling segments, vocab] fp32, in the order of ``seqs``."""

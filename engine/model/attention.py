@@ -36,8 +36,19 @@ class SegMeta:
 
 
 @dataclass
+class DecodeMeta:
+    """All one-token segments of a step, attended in one padded batch of B rows."""
+
+    tok: torch.Tensor               # [B] token index in the flattened batch
+    full_pages: torch.Tensor        # [B, P] pages covering [0, end), padded with page 0
+    full_valid: torch.Tensor        # [B, P * page_size] key slot holds a position <= the query's
+    swa_pages: torch.Tensor         # [B, R] pages covering [swa_lo, start), padded
+    swa_valid: torch.Tensor         # [B, R * page_size] key slot holds a position in [swa_lo, start)
+
+
+@dataclass
 class BatchMeta:
-    segs: list[SegMeta]
+    segs: list[SegMeta]             # multi-token segments (prefill chunks)
     positions: torch.Tensor         # [T]
     full_pages: torch.Tensor        # [T] write slot page of each token
     full_offs: torch.Tensor         # [T]
@@ -45,6 +56,7 @@ class BatchMeta:
     swa_pages: torch.Tensor         # [Tw]
     swa_offs: torch.Tensor          # [Tw]
     logit_idx: torch.Tensor         # [B'] tokens whose next-token logits are wanted
+    dec: DecodeMeta | None = None
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,
@@ -67,12 +79,38 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tenso
     return o.permute(2, 0, 1, 3).reshape(n, hq * d)
 
 
+def _attend_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                    sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per row. q [B, Hq, D], k/v [B, M, Hkv, D], valid [B, M] -> [B, Hq * D]."""
+    b, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    s = torch.einsum("bhgd,bmhd->bhgm", q.reshape(b, hkv, g, d), k) * scale
+    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+    logits = torch.cat([s, sinks.reshape(1, hkv, g, 1).to(s.dtype).expand(b, hkv, g, 1)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    p = torch.softmax(logits, dim=-1)[..., :-1].to(v.dtype)
+    return torch.einsum("bhgm,bmhd->bhgd", p, v).reshape(b, hq * d)
+
+
+def _gather_pages(pool: KVPool, layer: int, pages: torch.Tensor, dtype: torch.dtype):
+    """pages [B, P] -> k, v [B, P * page_size, Hkv, D]."""
+    blk = pool.kv[pool.layer_slot[layer]][pages]   # [B, P, 2, ps, H, D]
+    b, p = pages.shape
+    shape = (b, p * pool.page_size, pool.num_kv_heads, pool.head_dim)
+    return blk[:, :, 0].reshape(shape).to(dtype), blk[:, :, 1].reshape(shape).to(dtype)
+
+
 def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta,
                     pool: KVPool, sinks: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] (already rotated) -> [T, Hq * D]."""
     out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
     if window is None:
         pool.write(layer, meta.full_pages, meta.full_offs, k, v)
+        if meta.dec is not None:
+            dm = meta.dec
+            kk, vv = _gather_pages(pool, layer, dm.full_pages, q.dtype)
+            out[dm.tok] = _attend_batched(q[dm.tok], kk, vv, dm.full_valid, sinks, scale)
         for sg in meta.segs:
             kk, vv = pool.read(layer, sg.full_pages)
             kk, vv = kk[:sg.end].to(q.dtype), vv[:sg.end].to(q.dtype)
@@ -92,6 +130,13 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         kpos = torch.arange(sg.swa_lo, sg.end, device=q.device)
         out[sg.t0:sg.t1] = _attend(q[sg.t0:sg.t1], kk, vv, meta.positions[sg.t0:sg.t1], kpos,
                                    sinks, scale, window)
+    if meta.dec is not None:
+        dm = meta.dec
+        ko, vo = _gather_pages(pool, layer, dm.swa_pages, q.dtype)
+        kk = torch.cat([ko, k[dm.tok, None]], dim=1)
+        vv = torch.cat([vo, v[dm.tok, None]], dim=1)
+        valid = torch.cat([dm.swa_valid, dm.swa_valid.new_ones(dm.swa_valid.shape[0], 1)], dim=1)
+        out[dm.tok] = _attend_batched(q[dm.tok], kk, vv, valid, sinks, scale)
     if meta.swa_idx.numel():
         pool.write(layer, meta.swa_pages, meta.swa_offs, k[meta.swa_idx], v[meta.swa_idx])
     return out

@@ -41,7 +41,7 @@ def test_greedy_tokens_and_logits_match_transformers(ckpt):
     eng = Engine.from_pretrained(str(path), num_pages=512, **ENGINE_ARGS[name])
     w = cfg.sliding_window
     g = torch.Generator().manual_seed(3)
-    lengths = [3, w // 2, w - 1, w, w + 1, 2 * w + 5, 4 * w, 4 * w + 7, 5 * w]
+    lengths = [1, 3, w // 2, w - 1, w, w + 1, 2 * w + 5, 4 * w, 4 * w + 7, 5 * w]
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
     n_new = 20
     outs = eng.generate(prompts, SamplingParams(max_new_tokens=n_new, ignore_eos=True, return_logits=True))
