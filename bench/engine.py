@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     eng = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=4096, max_batch_tokens=2048,
-                                 max_running_requests=64)
+                                 max_running_requests=64, torch_threads=1)
     w = eng.model_config.sliding_window
     new = 16 if args.quick else 64
     bench_decode(eng, 2, 16, 4)  # warm-up

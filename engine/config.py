@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from storage.config import KVPoolConfig
+from storage.config import HiCacheConfig, KVPoolConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -22,6 +22,10 @@ class EngineConfig:
     device: str = "auto"                 # auto: cuda when present, else cpu
     dtype: str = "float32"
     seed: int = 0                        # seeds the sampler of requests without their own seed
+    poison_kv: bool = False              # debug: fill fresh L1 pages with garbage (tests)
+    torch_threads: int = 0               # intra-op threads for this process; 0 keeps torch's default
+    enable_prefix_cache: bool = False
+    hicache: HiCacheConfig | None = None  # the L2 host tier; None keeps the cache in L1 only
 
     def __post_init__(self) -> None:
         KVPoolConfig(self.page_size, self.num_pages, self.swa_full_ratio)  # validates those fields
@@ -31,6 +35,12 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 0:
             raise ValueError(f"chunk_size must be an int >= 0, got {self.chunk_size!r}")
+        if isinstance(self.torch_threads, bool) or not isinstance(self.torch_threads, int) or self.torch_threads < 0:
+            raise ValueError(f"torch_threads must be an int >= 0, got {self.torch_threads!r}")
+        if self.hicache is not None and not isinstance(self.hicache, HiCacheConfig):
+            raise ValueError("hicache must be a HiCacheConfig")
+        if self.hicache is not None and not self.enable_prefix_cache:
+            raise ValueError("hicache needs enable_prefix_cache=True")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device != "auto":

@@ -16,6 +16,9 @@ from engine.request import Request, Status
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, make_generator, sample
 from engine.scheduler import Scheduler, swa_pages_bound
+from engine.disagg import KVPayload, check_payload, export_kv, import_kv
+from engine.prefix import PrefixCacheHooks
+from storage.hicache import HiCache
 from storage.pools import KVPools
 
 Prompt = Union[str, Sequence[int]]
@@ -30,6 +33,7 @@ class GenerationOutput:
     cached_tokens: int
     finish_reason: str | None
     logits: list[torch.Tensor] = field(default_factory=list)
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=lambda: {"L1": 0, "L2": 0, "L3": 0})
 
 
 @dataclass
@@ -45,6 +49,10 @@ class StepOutput:
 class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
+        if cfg.torch_threads:
+            # Process-wide: on a small shared box, spinning intra-op threads of several processes
+            # (Ray actors, the copier) slow every one of them down by an order of magnitude.
+            torch.set_num_threads(cfg.torch_threads)
         self.device = cfg.torch_device
         path = resolve_model_path(cfg.model)
         self.model_path = path
@@ -55,14 +63,23 @@ class Engine:
         except ValueError:
             self.tokenizer = None
         self.pools = KVPools(cfg.pool, mc.layer_types, mc.num_key_value_heads, mc.head_dim,
-                             cfg.torch_dtype, self.device)
+                             cfg.torch_dtype, self.device, poison=cfg.poison_kv)
         window = mc.sliding_window if mc.sliding_layers else None
-        if window is not None and self.pools.swa.num_pages < swa_pages_bound(window, cfg.page_size):
+        self.window = window
+        need = swa_pages_bound(window, cfg.page_size) if window is not None else 0
+        if self.pools.swa.num_pages < need:
             raise ValueError(f"swa_full_ratio: the SWA pool ({self.pools.swa.num_pages} pages) cannot hold one "
-                             f"window ({swa_pages_bound(window, cfg.page_size)} pages of {cfg.page_size})")
+                             f"window ({need} pages of {cfg.page_size})")
+        self._now = 0.0
+        self.cache: HiCache | None = None
+        self.hooks: PrefixCacheHooks | None = None
+        if cfg.enable_prefix_cache:
+            self.cache = HiCache(self.pools, window, cfg.hicache)
+            self.hooks = PrefixCacheHooks(self.cache, self.pools, lambda: self._now)
         self.scheduler = Scheduler(cfg.page_size, self.pools.full.allocator,
                                    self.pools.swa.allocator if window is not None else None, window,
-                                   cfg.max_batch_tokens, cfg.max_running_requests, cfg.effective_chunk_size)
+                                   cfg.max_batch_tokens, cfg.max_running_requests, cfg.effective_chunk_size,
+                                   hooks=self.hooks, swa_page_aligned=self.cache is not None)
         self.runner = ModelRunner(self.model, self.pools, self.device)
         self.requests: dict[str, Request] = {}
         self._arrival = itertools.count()
@@ -96,7 +113,41 @@ class Engine:
             raise ValueError("prompt: token ids must be integers")
         return ids
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, rid: str | None = None) -> str:
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, rid: str | None = None,
+                    prefill_only: bool = False) -> str:
+        """Queue a request. ``prefill_only``: stop after the first token and keep the prompt's KV as
+        ``kv_payload`` for a decode engine (finish_reason "prefill" unless the first token ends it)."""
+        req = self._new_request(prompt, params, rid)
+        req.prefill_only = prefill_only
+        self.requests[req.rid] = req
+        if req.params.max_new_tokens == 0:
+            self._finish(req, "length")
+        else:
+            self.scheduler.add(req)
+        return req.rid
+
+    def add_prefilled(self, prompt: Prompt, payload: KVPayload, params: SamplingParams | None = None,
+                      rid: str | None = None) -> str:
+        """Admit a request straight into decode from a prefill engine's KV payload. Raises ValueError
+        on a bad payload and MemoryError when the pools cannot take it (nothing is kept then)."""
+        req = self._new_request(prompt, params, rid)
+        if payload.prompt_len != len(req.prompt_ids):
+            raise ValueError(f"kv payload: covers {payload.prompt_len} tokens, prompt has {len(req.prompt_ids)}")
+        if not 0 <= payload.first_token < self.model_config.vocab_size:
+            raise ValueError(f"kv payload: first token {payload.first_token} outside the vocabulary")
+        check_payload(payload, self.pools, self.window)
+        if len(self.scheduler.running) >= self.cfg.max_running_requests:
+            raise MemoryError("decode: running batch is full")
+        make_room = self.hooks.make_room if self.hooks is not None else (lambda c, n: None)
+        import_kv(req, payload, self.pools, self.window, make_room)
+        self.requests[req.rid] = req
+        self.scheduler.running.append(req)
+        reason = self._stop_reason(req, payload.first_token)
+        if reason is not None:
+            self._finish(req, reason)
+        return req.rid
+
+    def _new_request(self, prompt: Prompt, params: SamplingParams | None, rid: str | None) -> Request:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params: must be a SamplingParams")
@@ -120,12 +171,7 @@ class Engine:
         req = Request(rid, ids, params, arrival=next(self._arrival))
         if not params.greedy:
             req.generator = make_generator(params.seed, self._rng)
-        self.requests[rid] = req
-        if params.max_new_tokens == 0:
-            self._finish(req, "length")
-        else:
-            self.scheduler.add(req)
-        return rid
+        return req
 
     def abort(self, rid: str) -> bool:
         req = self.requests.get(rid)
@@ -135,6 +181,8 @@ class Engine:
         return True
 
     def _finish(self, req: Request, reason: str) -> None:
+        if self.hooks is not None and req.status is Status.RUNNING:
+            self.hooks.cache_finished(req)
         self.scheduler.remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
@@ -144,10 +192,16 @@ class Engine:
 
     # ---- stepping ----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        self._now += 1.0
+        if self.cache is not None:
+            self.cache.poll()
         seqs = self.scheduler.schedule()
         if not seqs:
             return []
-        logits = self.runner.run(seqs)
+        try:
+            logits = self.runner.run(seqs)
+        finally:
+            self.scheduler.after_forward()
         self.counters["steps"] += 1
         samplers = [sq for sq in seqs if sq.samples]
         toks = sample(logits, [sq.req.params for sq in samplers], [sq.req.generator for sq in samplers])
@@ -163,6 +217,9 @@ class Engine:
                 req.logits.append(logits[i].detach().cpu().clone())
             req.output_ids.append(tok)
             reason = self._stop_reason(req, tok)
+            if req.prefill_only and len(req.output_ids) == 1:
+                req.kv_payload = export_kv(req, self.pools, self.window)
+                reason = reason or "prefill"
             if reason is not None:
                 self._finish(req, reason)
             outs.append(StepOutput(req.rid, [tok], reason is not None, reason))
@@ -188,7 +245,7 @@ class Engine:
         req = self.requests[rid]
         text = self.tokenizer.decode(req.output_ids) if self.tokenizer else ""
         return GenerationOutput(rid, list(req.output_ids), text, len(req.prompt_ids), req.cached_tokens,
-                                req.finish_reason, list(req.logits))
+                                req.finish_reason, list(req.logits), dict(req.cached_by_tier))
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationOutput]:
@@ -216,7 +273,19 @@ class Engine:
 
     # ---- introspection -----------------------------------------------------------------------
     def check_integrity(self) -> None:
-        self.scheduler.check_integrity()
+        if self.cache is None:
+            self.scheduler.check_integrity()
+            return
+        self.cache.check_integrity()
+        tree = self.cache.owners()
+        self.scheduler.check_integrity({c: {"tree": pages} for c, pages in tree.items()})
+
+    def flush_cache(self) -> None:
+        """Empty every cache tier. Raises RuntimeError while requests are running."""
+        if self.scheduler.running:
+            raise RuntimeError("flush_cache: requests are still running")
+        if self.cache is not None:
+            self.cache.flush()
 
     def stats(self) -> dict:
         p = self.pools
@@ -227,4 +296,5 @@ class Engine:
             "pool": {c: {"used": p.pool(c).allocator.num_used, "total": p.pool(c).num_pages,
                          "peak": p.pool(c).allocator.peak_used} for c in ("full", "swa")},
             "kv_bytes_per_token": {"full": p.full.bytes_per_token, "swa": p.swa.bytes_per_token},
+            **({"cache": {**self.cache.stats, "usage": self.cache.usage()}} if self.cache is not None else {}),
         }

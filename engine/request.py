@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -28,8 +29,15 @@ class Request:
     full_pages: list[int] = field(default_factory=list)            # by logical page
     swa_pages: list[int | None] = field(default_factory=list)      # None: slid out of the window
     cached_tokens: int = 0
+    cached_by_tier: dict[str, int] = field(default_factory=lambda: {"L1": 0, "L2": 0, "L3": 0})
+    hit: Any = None                       # the prefix cache's PrefixHit while pages are borrowed
+    num_shared_full: int = 0              # leading full pages borrowed from the prefix cache
+    shared_swa: set[int] = field(default_factory=set)  # logical SWA pages borrowed from it
+    swa_valid_from: int = 0               # SWA KV of earlier positions was never stored
     num_preemptions: int = 0
     logits: list[torch.Tensor] = field(default_factory=list)
+    prefill_only: bool = False            # stop after the first token and export the prompt KV
+    kv_payload: Any = None                # the export of a prefill_only request
     generator: torch.Generator | None = None
 
     @property
@@ -53,5 +61,8 @@ class Request:
     def is_decoding(self) -> bool:
         return self.remaining == 1 and bool(self.output_ids)
 
+    def owned_full_pages(self) -> list[int]:
+        return self.full_pages[self.num_shared_full:]
+
     def owned_swa_pages(self) -> list[int]:
-        return [p for p in self.swa_pages if p is not None]
+        return [p for a, p in enumerate(self.swa_pages) if p is not None and a not in self.shared_swa]

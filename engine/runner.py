@@ -54,8 +54,9 @@ class ModelRunner:
         def lt(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=dev)
 
+        waits = [f for sq in seqs if sq.req.hit is not None for f in sq.req.hit.waits if not f.done]
         meta = BatchMeta(segs, lt(pos), lt(fpages), lt(foffs), lt(swa_idx), lt(swa_pages), lt(swa_offs),
-                         lt(logit_idx), self._decode_meta(dec) if dec else None)
+                         lt(logit_idx), self._decode_meta(dec) if dec else None, waits)
         return lt(ids), meta
 
     def _decode_meta(self, dec: list[tuple[int, ScheduledSeq]]) -> DecodeMeta:

@@ -39,14 +39,33 @@ class ScheduledSeq:
         return self.end == self.req.seq_len
 
 
+def swa_window_pages(window: int, page_size: int) -> int:
+    """Whole pages whose SWA data a continuation at a page boundary reads ([p - W + 1, p))."""
+    return -(-(window - 1) // page_size)
+
+
 def swa_pages_bound(window: int, page_size: int) -> int:
-    """Most SWA pages one request ever holds."""
-    return -(-(window - 1) // page_size) + 1
+    """Most SWA pages one request ever holds (unaligned or page-aligned retention alike)."""
+    return swa_window_pages(window, page_size) + 1
+
+
+class SchedulerHooks:
+    """What the prefix cache plugs into the scheduler; the defaults are "no cache"."""
+
+    def on_admit(self, req: Request) -> None:
+        """Before a waiting request's first chunk: may borrow cached pages and advance num_computed."""
+
+    def on_release(self, req: Request) -> None:
+        """After the scheduler freed a request's own pages (preemption, finish, abort)."""
+
+    def make_room(self, component: str, n_pages: int) -> None:
+        """Free up to ``n_pages`` L1 pages of ``component`` held by the cache."""
 
 
 class Scheduler:
     def __init__(self, page_size: int, full: PageAllocator, swa: PageAllocator | None, window: int | None,
-                 max_batch_tokens: int, max_running: int, chunk_size: int) -> None:
+                 max_batch_tokens: int, max_running: int, chunk_size: int,
+                 hooks: SchedulerHooks | None = None, swa_page_aligned: bool = False) -> None:
         self.ps = page_size
         self.full = full
         self.swa = swa if window is not None else None
@@ -57,6 +76,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.hooks = hooks or SchedulerHooks()
+        # SWA pages that left the window this step: still read by this step's forward, so they go back
+        # to the allocator only after it (anyone else could overwrite them before the read).
+        self._retired: list[int] = []
+        self.swa_page_aligned = swa_page_aligned
 
     # ---- queue -----------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -74,11 +98,13 @@ class Scheduler:
         self.release(req)
 
     def release(self, req: Request) -> None:
-        self.full.free(req.full_pages)
-        req.full_pages = []
+        """Free the pages the request owns; borrowed ones go back through the hooks."""
+        self.full.free(req.owned_full_pages())
         if self.swa is not None:
             self.swa.free(req.owned_swa_pages())
-        req.swa_pages = []
+        req.full_pages, req.swa_pages = [], []
+        self.hooks.on_release(req)
+        req.num_shared_full, req.shared_swa = 0, set()
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledSeq]:
@@ -105,9 +131,12 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
+            self.hooks.on_admit(req)
             n = min(req.remaining, budget, self.chunk_size)
             seq = self._reserve(req, n)
             if seq is None:
+                self.release(req)
+                req.num_computed = 0
                 break  # wait for pages to come back; FIFO keeps long prompts from starving
             self.waiting.popleft()
             req.status = Status.RUNNING
@@ -137,52 +166,80 @@ class Scheduler:
         e = s + n
         need_full = -(-e // ps) - len(req.full_pages)
         if not self.full.can_alloc(need_full):
-            return None
+            self.hooks.make_room("full", need_full - self.full.num_free)
+            if not self.full.can_alloc(need_full):
+                return None
         retire: list[int] = []
         new_logical: list[int] = []
         swa_lo = s
         if self.swa is not None:
             w = self.window
             swa_lo = max(0, s - w + 1)
-            keep_from = max(0, e - w + 1)
+            keep_from = self._swa_keep_from(e)
             first_write = max(s, keep_from)
             if first_write < e:
                 for a in range(first_write // ps, (e - 1) // ps + 1):
                     if a >= len(req.swa_pages) or req.swa_pages[a] is None:
                         new_logical.append(a)
             retire = [a for a, p in enumerate(req.swa_pages) if p is not None and (a + 1) * ps <= keep_from]
-            if not self.swa.can_alloc(len(new_logical) - len(retire)):
-                return None
+            need = max(0, len(new_logical) - sum(a not in req.shared_swa for a in retire))
+            if not self.swa.can_alloc(need):
+                self.hooks.make_room("swa", need - self.swa.num_free)
+                if not self.swa.can_alloc(need):
+                    return None
         # Commit: nothing below can fail.
         req.full_pages += self.full.alloc(max(0, need_full))
         swa_read: list[int] = []
         swa_write: list[tuple[int, int, int]] = []
         if self.swa is not None:
             swa_read = [req.swa_pages[a] for a in range(swa_lo // ps, -(-s // ps))] if s > swa_lo else []
-            # Pages leaving the window go back first so the new positions can reuse them this step:
-            # every layer reads its window before it writes.
-            self.swa.free([req.swa_pages[a] for a in retire])
+            # Pages leaving the window are reused for this request's new positions at once (each layer
+            # reads its window before it writes); the rest return to the allocator after the forward.
+            owned_retired = [req.swa_pages[a] for a in retire if a not in req.shared_swa]
             for a in retire:
                 req.swa_pages[a] = None
-            fresh = self.swa.alloc(len(new_logical))
+                req.shared_swa.discard(a)
+            reuse = owned_retired[:len(new_logical)]
+            self._retired += owned_retired[len(new_logical):]
+            fresh = reuse + self.swa.alloc(len(new_logical) - len(reuse))
             for a, p in zip(new_logical, fresh):
                 if a >= len(req.swa_pages):
                     req.swa_pages += [None] * (a + 1 - len(req.swa_pages))
                 req.swa_pages[a] = p
-            first_write = max(s, max(0, e - self.window + 1))
+            first_write = max(s, keep_from)
+            if first_write > s:  # positions [s, first_write) never reach the SWA pool
+                req.swa_valid_from = max(req.swa_valid_from, first_write)
             swa_write = [(pos, req.swa_pages[pos // ps], pos % ps) for pos in range(first_write, e)]
         return ScheduledSeq(req, s, n, req.full_pages[:-(-e // ps)], swa_lo, swa_read, swa_write)
 
-    def check_integrity(self) -> None:
-        owners_full = {r.rid: r.full_pages for r in self.running}
-        self.full.check_integrity(owners_full)
+    def after_forward(self) -> None:
+        """Return the SWA pages retired this step (their last reader, the forward, is done)."""
+        if self._retired:
+            self.swa.free(self._retired)
+            self._retired = []
+
+    def _swa_keep_from(self, e: int) -> int:
+        """First position later steps still need after ``e``. Page-aligned retention (prefix cache on)
+        keeps whole pages: the window before the last page boundary, so the cache can reuse the
+        sequence there, and every page it holds is written from its first position."""
+        if self.swa_page_aligned:
+            return max(0, (e // self.ps - swa_window_pages(self.window, self.ps)) * self.ps)
+        return max(0, e - self.window + 1)
+
+    def check_integrity(self, extra_owners: dict[str, dict[str, list[int]]] | None = None) -> None:
+        extra_owners = extra_owners or {}
+        owners_full = {r.rid: r.owned_full_pages() for r in self.running}
+        self.full.check_integrity({**owners_full, **extra_owners.get("full", {})})
         if self.swa is not None:
             owners_swa = {r.rid: r.owned_swa_pages() for r in self.running}
-            self.swa.check_integrity(owners_swa)
+            owners_swa["retired this step"] = self._retired
+            self.swa.check_integrity({**owners_swa, **extra_owners.get("swa", {})})
             bound = swa_pages_bound(self.window, self.ps)
             for r in self.running:
                 if len(r.owned_swa_pages()) > bound:
                     raise AssertionError(f"{r.rid} holds {len(r.owned_swa_pages())} SWA pages > bound {bound}")
+                if r.hit is None and (r.num_shared_full or r.shared_swa):
+                    raise AssertionError(f"{r.rid} borrows pages without a cache hit")
         for r in self.waiting:
             if r.full_pages or r.owned_swa_pages():
                 raise AssertionError(f"waiting request {r.rid} holds pages")

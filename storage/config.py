@@ -29,3 +29,43 @@ class KVPoolConfig:
     @property
     def num_swa_pages(self) -> int:
         return max(1, math.ceil(self.num_pages * self.swa_full_ratio))
+
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+L2_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+
+@dataclass(frozen=True)
+class HiCacheConfig:
+    """The L2 (host) tier and how L1 data reaches it.
+
+    ``host_pages`` pages back the full component in host memory; the SWA component gets
+    ``ceil(host_pages * host_swa_ratio)`` because an SWA-aware backup keeps only each sequence's last
+    window. ``write_through_threshold`` is the hit count at which ``write_through_selective`` backs a
+    node up.
+    """
+
+    host_pages: int = 4096
+    host_swa_ratio: float = 0.5
+    write_policy: str = "write_through"
+    write_through_threshold: int = 2
+    layout: str = "page_first_direct"
+    load_back_threshold_pages: int = 1   # L2 hits shorter than this are recomputed, not loaded
+
+    def __post_init__(self) -> None:
+        if isinstance(self.host_pages, bool) or not isinstance(self.host_pages, int) or self.host_pages < 1:
+            raise ValueError(f"host_pages must be a positive int, got {self.host_pages!r}")
+        if not (0.0 < float(self.host_swa_ratio) <= 1.0):
+            raise ValueError(f"host_swa_ratio must be in (0, 1], got {self.host_swa_ratio!r}")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
+        if not isinstance(self.write_through_threshold, int) or self.write_through_threshold < 1:
+            raise ValueError(f"write_through_threshold must be an int >= 1, got {self.write_through_threshold!r}")
+        if self.layout not in L2_LAYOUTS:
+            raise ValueError(f"layout must be one of {L2_LAYOUTS}, got {self.layout!r}")
+        if not isinstance(self.load_back_threshold_pages, int) or self.load_back_threshold_pages < 1:
+            raise ValueError("load_back_threshold_pages must be an int >= 1")
+
+    @property
+    def host_swa_pages(self) -> int:
+        return max(1, math.ceil(self.host_pages * self.host_swa_ratio))

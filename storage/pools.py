@@ -16,6 +16,10 @@ import torch
 
 from storage.config import KVPoolConfig
 
+POISON = 1.0e4
+"""What ``poison`` fills fresh pages with: finite, so masked slots still contribute exactly 0, but far
+from any real K/V, so reading a position nobody wrote changes the tokens."""
+
 FULL = "full"
 SWA = "swa"
 COMPONENTS = (FULL, SWA)
@@ -24,10 +28,11 @@ COMPONENTS = (FULL, SWA)
 class PageAllocator:
     """Free-list page allocator. Lowest page indices are handed out first (deterministic)."""
 
-    def __init__(self, num_pages: int, name: str = "pool") -> None:
+    def __init__(self, num_pages: int, name: str = "pool", on_alloc=None) -> None:
         if num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
         self.name = name
+        self.on_alloc = on_alloc  # debug hook: called with the pages handed out
         self.num_pages = num_pages
         # Stack with the lowest index on top; `_is_free` makes double frees O(1) to detect.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
@@ -55,6 +60,8 @@ class PageAllocator:
         for p in out:
             self._is_free[p] = 0
         self.peak_used = max(self.peak_used, self.num_used)
+        if self.on_alloc is not None and out:
+            self.on_alloc(out)
         return out
 
     def free(self, pages: Iterable[int]) -> None:
@@ -103,7 +110,8 @@ class KVPool:
     """
 
     def __init__(self, name: str, layer_ids: Sequence[int], num_pages: int, page_size: int,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 poison: bool = False) -> None:
         self.name = name
         self.layer_ids = list(layer_ids)
         self.layer_slot = {lid: i for i, lid in enumerate(self.layer_ids)}
@@ -114,6 +122,11 @@ class KVPool:
         self.allocator = PageAllocator(n, name)
         self.kv = torch.zeros(len(self.layer_ids), n, 2, page_size, num_kv_heads, head_dim,
                               dtype=dtype, device=device)
+        if poison:  # debug: every page handed out starts as garbage until written
+            self.allocator.on_alloc = self._poison
+
+    def _poison(self, pages: list[int]) -> None:
+        self.kv[:, torch.tensor(pages, device=self.kv.device)] = POISON
 
     @property
     def num_pages(self) -> int:
@@ -151,12 +164,15 @@ class KVPools:
     """The full pool and the SWA pool of one worker."""
 
     def __init__(self, cfg: KVPoolConfig, layer_types: Sequence[str], num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 poison: bool = False) -> None:
         self.cfg = cfg
         full_ids = [i for i, t in enumerate(layer_types) if t != "sliding_attention"]
         swa_ids = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
-        self.full = KVPool(FULL, full_ids, cfg.num_pages, cfg.page_size, num_kv_heads, head_dim, dtype, device)
-        self.swa = KVPool(SWA, swa_ids, cfg.num_swa_pages, cfg.page_size, num_kv_heads, head_dim, dtype, device)
+        self.full = KVPool(FULL, full_ids, cfg.num_pages, cfg.page_size, num_kv_heads, head_dim, dtype, device,
+                           poison)
+        self.swa = KVPool(SWA, swa_ids, cfg.num_swa_pages, cfg.page_size, num_kv_heads, head_dim, dtype, device,
+                          poison)
 
     def pool(self, component: str) -> KVPool:
         if component == FULL:

@@ -12,7 +12,7 @@ A forward pass runs a flattened batch of T tokens made of segments, one per requ
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -57,6 +57,7 @@ class BatchMeta:
     swa_offs: torch.Tensor          # [Tw]
     logit_idx: torch.Tensor         # [B'] tokens whose next-token logits are wanted
     dec: DecodeMeta | None = None
+    waits: list = field(default_factory=list)  # LayerFutures of loads into L1 still under way
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,
@@ -104,6 +105,8 @@ def _gather_pages(pool: KVPool, layer: int, pages: torch.Tensor, dtype: torch.dt
 def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta,
                     pool: KVPool, sinks: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] (already rotated) -> [T, Hq * D]."""
+    for fut in meta.waits:  # this layer's cached pages may still be arriving from L2
+        fut.wait_layer(pool.name, pool.layer_slot[layer])
     out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
     if window is None:
         pool.write(layer, meta.full_pages, meta.full_offs, k, v)

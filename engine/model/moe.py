@@ -43,6 +43,11 @@ class Experts(nn.Module):
         return h @ self.down_proj[e] + self.down_proj_bias[e]
 
 
+# Below this many expert weight elements (all experts) every expert runs on every token in three
+# batched ops: for tiny models per-expert dispatch costs far more in op overhead than the wasted FLOPs.
+DENSE_MAX_ELEMS = 1 << 21
+
+
 class MoE(nn.Module):
     """The MLP block. ``expert_counts`` [E] accumulates routed tokens per expert (cheap, always on)
     for the EPLB rebalancer."""
@@ -60,6 +65,8 @@ class MoE(nn.Module):
         flat_idx = idx.reshape(-1)
         counts = torch.bincount(flat_idx, minlength=self.experts.num_experts)
         self.expert_counts += counts
+        if self.experts.gate_up_proj.numel() + self.experts.down_proj.numel() <= DENSE_MAX_ELEMS:
+            return self._dense(x, scores, idx)
         # Group (token, slot) pairs by expert so each expert runs once on its tokens.
         order = torch.argsort(flat_idx, stable=True)
         tok = order // idx.shape[1]
@@ -74,3 +81,15 @@ class MoE(nn.Module):
             out.index_add_(0, t, y.to(x.dtype))
             start += n
         return out
+
+    def _dense(self, x: torch.Tensor, scores: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, weighted by the router (0 for experts not chosen)."""
+        ex = self.experts
+        gu = torch.einsum("th,ehi->eti", x, ex.gate_up_proj) + ex.gate_up_proj_bias[:, None, :]
+        gate = gu[..., ::2].clamp(max=ex.limit)
+        up = gu[..., 1::2].clamp(min=-ex.limit, max=ex.limit)
+        h = (up + 1) * (gate * torch.sigmoid(gate * ex.alpha))
+        y = torch.einsum("eti,eih->eth", h, ex.down_proj) + ex.down_proj_bias[:, None, :]
+        w = torch.zeros(x.shape[0], ex.num_experts, dtype=y.dtype, device=x.device)
+        w.scatter_(1, idx, scores.to(y.dtype))
+        return torch.einsum("te,eth->th", w, y).to(x.dtype)

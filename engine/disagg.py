@@ -1,0 +1,114 @@
+"""Prefill/decode disaggregation inside one engine: a prefill-only request leaves its prompt's KV as a
+``KVPayload`` (full layers: every prompt page; sliding layers: only the pages of the last window), and
+a decode engine admits a request straight into decode from such a payload."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request, Status
+from storage.pools import KVPools
+
+
+@dataclass
+class KVPayload:
+    """The prompt KV one request hands from prefill to decode.
+
+    full: [full_layers, ceil(prompt_len / page_size), page_elems]
+    swa:  [swa_layers, n_swa_pages, page_elems], logical pages [swa_first_page, swa_first_page + n)
+    """
+
+    prompt_len: int
+    first_token: int
+    page_size: int
+    full: torch.Tensor
+    swa: torch.Tensor
+    swa_first_page: int
+    swa_valid_from: int = 0   # first position whose SWA KV the payload holds
+
+    @property
+    def nbytes(self) -> int:
+        return self.full.numel() * self.full.element_size() + self.swa.numel() * self.swa.element_size()
+
+
+def swa_needed_first_page(prompt_len: int, window: int | None, page_size: int) -> int:
+    """First logical SWA page the first decode step reads (positions [prompt_len - W + 1, prompt_len))."""
+    if not window:
+        return 0
+    return max(0, prompt_len - window + 1) // page_size
+
+
+def swa_aligned_first_page(prompt_len: int, window: int | None, page_size: int) -> int:
+    """First page of the whole-page window before the prompt's last page boundary: exporting from here
+    lets the decode side's prefix cache reuse the sequence at its page boundaries."""
+    if not window:
+        return 0
+    return max(0, prompt_len // page_size - (-(-(window - 1) // page_size)))
+
+
+def export_kv(req: Request, pools: KVPools, window: int | None) -> KVPayload:
+    """Copy a request's prompt KV out of the pools (call before its pages are released)."""
+    ps = pools.cfg.page_size
+    n = req.num_computed
+    full_idx = torch.tensor(req.full_pages[:-(-n // ps)], dtype=torch.long, device=pools.full.kv.device)
+    full = pools.full.flat().index_select(1, full_idx).cpu() if pools.full.layer_ids else torch.empty(0)
+    first = swa_needed_first_page(n, window, ps)
+    aligned = swa_aligned_first_page(n, window, ps)
+    if window and all(a < len(req.swa_pages) and req.swa_pages[a] is not None for a in range(aligned, first)) \
+            and aligned * ps >= req.swa_valid_from:
+        first = aligned
+    swa_logical = list(range(first, -(-n // ps))) if window else []
+    if swa_logical and any(a >= len(req.swa_pages) or req.swa_pages[a] is None for a in swa_logical):
+        raise RuntimeError(f"{req.rid}: SWA pages of the last window are missing")
+    swa_idx = torch.tensor([req.swa_pages[a] for a in swa_logical], dtype=torch.long, device=pools.swa.kv.device)
+    swa = pools.swa.flat().index_select(1, swa_idx).cpu() if swa_logical else torch.empty(0)
+    return KVPayload(n, req.output_ids[0], ps, full, swa, first, max(req.swa_valid_from, first * ps))
+
+
+def check_payload(p: KVPayload, pools: KVPools, window: int | None) -> None:
+    ps = pools.cfg.page_size
+    if p.page_size != ps:
+        raise ValueError(f"kv payload: page_size {p.page_size} != {ps}")
+    n_full = -(-p.prompt_len // ps)
+    want_full = (len(pools.full.layer_ids), n_full, pools.full.page_elems)
+    if pools.full.layer_ids and tuple(p.full.shape) != want_full:
+        raise ValueError(f"kv payload: full shape {tuple(p.full.shape)} != {want_full}")
+    if window:
+        lo = swa_aligned_first_page(p.prompt_len, window, ps)
+        hi = swa_needed_first_page(p.prompt_len, window, ps)
+        want = (len(pools.swa.layer_ids), n_full - p.swa_first_page, pools.swa.page_elems)
+        if not lo <= p.swa_first_page <= hi or tuple(p.swa.shape) != want:
+            raise ValueError(f"kv payload: swa pages {tuple(p.swa.shape)} from page {p.swa_first_page}; "
+                             f"expected {want} from a page in [{lo}, {hi}]")
+        if p.swa_valid_from > max(0, p.prompt_len - window + 1):
+            raise ValueError(f"kv payload: swa data starts at {p.swa_valid_from}, after the window")
+    if p.full.dtype != pools.full.kv.dtype:
+        raise ValueError(f"kv payload: dtype {p.full.dtype} != {pools.full.kv.dtype}")
+
+
+def import_kv(req: Request, p: KVPayload, pools: KVPools, window: int | None, make_room) -> None:
+    """Allocate the request's pages, copy the payload in and mark the prompt computed. Raises
+    MemoryError (nothing allocated) when the pools cannot take it even after ``make_room``."""
+    ps = pools.cfg.page_size
+    n_full = -(-p.prompt_len // ps)
+    n_swa = p.swa.shape[1] if window else 0
+    for comp, need in (("full", n_full), ("swa", n_swa)):
+        alloc = pools.pool(comp).allocator
+        if need and not alloc.can_alloc(need):
+            make_room(comp, need - alloc.num_free)
+    if not pools.full.allocator.can_alloc(n_full) or (n_swa and not pools.swa.allocator.can_alloc(n_swa)):
+        raise MemoryError(f"decode: no room for {n_full} full + {n_swa} SWA pages")
+    full_pages = pools.full.allocator.alloc(n_full)
+    swa_pages = pools.swa.allocator.alloc(n_swa) if n_swa else []
+    dev = pools.full.kv.device
+    if pools.full.layer_ids:
+        pools.full.flat()[:, torch.tensor(full_pages, device=dev)] = p.full.to(dev)
+    if n_swa:
+        pools.swa.flat()[:, torch.tensor(swa_pages, device=dev)] = p.swa.to(dev)
+    req.full_pages = full_pages
+    req.swa_pages = [None] * p.swa_first_page + swa_pages
+    req.num_computed = p.prompt_len
+    req.swa_valid_from = p.swa_valid_from
+    req.output_ids = [p.first_token]
+    req.status = Status.RUNNING

@@ -1,0 +1,63 @@
+"""Glue between the scheduler and the prefix cache (storage/hicache.py): a request borrows its cached
+prefix at admission, gives its pages to the cache when it finishes, and the cache yields L1 pages
+before the scheduler preempts anyone."""
+from __future__ import annotations
+
+from engine.request import Request
+from engine.scheduler import SchedulerHooks
+from storage.hicache import HiCache
+from storage.pools import KVPools
+
+
+class PrefixCacheHooks(SchedulerHooks):
+    def __init__(self, cache: HiCache, pools: KVPools, clock) -> None:
+        self.cache = cache
+        self.pools = pools
+        self.clock = clock  # () -> float, the engine's logical time
+
+    def on_admit(self, req: Request) -> None:
+        if req.hit is not None or req.num_computed:
+            return
+        # At least one token must run through the model to produce the next token's logits.
+        hit = self.cache.match(req.tokens(0, req.seq_len), (req.seq_len - 1) // self.cache.page_size,
+                               self.clock())
+        if hit.num_pages == 0:
+            req.cached_tokens = 0
+            req.cached_by_tier = dict(hit.tokens_by_tier)
+            return
+        req.hit = hit
+        req.full_pages = list(hit.full_pages)
+        req.num_shared_full = hit.num_pages
+        req.swa_pages = list(hit.swa_pages)
+        req.shared_swa = {a for a, p in enumerate(hit.swa_pages) if p is not None}
+        req.num_computed = hit.num_pages * self.cache.page_size
+        present = [a for a, x in enumerate(hit.swa_pages) if x is not None]
+        req.swa_valid_from = present[0] * self.cache.page_size if present else req.num_computed
+        req.cached_tokens = req.num_computed
+        req.cached_by_tier = dict(hit.tokens_by_tier)
+
+    def on_release(self, req: Request) -> None:
+        if req.hit is not None:
+            self.cache.release(req.hit)
+            req.hit = None
+
+    def make_room(self, component: str, n_pages: int) -> None:
+        if n_pages > 0:
+            self.cache.evict_l1(component, n_pages)
+
+    def cache_finished(self, req: Request) -> None:
+        """Hand the request's whole computed pages to the cache and free the rest it owns; its borrowed
+        prefix stays locked until the scheduler releases it."""
+        ps = self.cache.page_size
+        n = req.num_computed // ps
+        # Only pages written from their first position are whole SWA data the cache can serve.
+        swa = [p if a * ps >= req.swa_valid_from else None for a, p in enumerate((req.swa_pages + [None] * n)[:n])]
+        dup_full, dup_swa = self.cache.insert(req.tokens(0, n * ps), req.full_pages[:n], swa, self.clock())
+        owned_tail_full = req.full_pages[max(n, req.num_shared_full):]
+        owned_tail_swa = [p for a, p in enumerate(req.swa_pages)
+                          if p is not None and a not in req.shared_swa and (a >= n or swa[a] is None)]
+        self.pools.full.allocator.free(dup_full + owned_tail_full)
+        if self.pools.swa.num_pages:
+            self.pools.swa.allocator.free(dup_swa + owned_tail_swa)
+        req.full_pages, req.swa_pages = [], []
+        req.num_shared_full, req.shared_swa, req.swa_valid_from = 0, set(), 0

@@ -1,0 +1,1 @@
+"""CUDA page-copy kernels (hicache.cu) and their nvcc/ctypes loader."""

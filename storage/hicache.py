@@ -1,0 +1,329 @@
+"""The tier controller of one worker: the unified radix tree over the L1 pools and the L2 host pools.
+
+It answers "how much of this sequence is cached, and where" (``match``), pins what a request borrows,
+takes finished sequences in (``insert``), makes room in L1 when the scheduler runs short (``evict_l1``),
+and moves pages between the tiers under the write policy:
+
+* ``write_through``: every node is backed up to L2 when it enters the tree;
+* ``write_through_selective``: once its hit count reaches ``write_through_threshold``;
+* ``write_back``: only when L1 evicts it.
+
+SWA components only ever hold a sequence's last window (the engine frees the rest as it slides), so an
+SWA-aware backup moves only that window. Load-back copies L2 pages into fresh L1 pages before the
+request that hit them runs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import kernels
+from storage.config import HiCacheConfig
+from storage.host import HostPools
+from storage.pools import COMPONENTS, FULL, SWA, KVPools
+from storage.radix import Freed, Node, RadixTree
+from storage.radix_node import L1, L2
+from storage.copier import Copier, Job, LayerFuture
+from storage.hashing import DEFAULT_SEED
+
+
+@dataclass
+class PrefixHit:
+    """A request's cached prefix: ``num_pages`` pages whose L1 pages it borrows (pinned by locks)."""
+
+    node: Optional[Node] = None
+    num_pages: int = 0
+    full_pages: list[int] = field(default_factory=list)          # [num_pages] L1 full pages
+    swa_pages: list[Optional[int]] = field(default_factory=list)  # [num_pages], None outside the window
+    tokens_by_tier: dict[str, int] = field(default_factory=lambda: {"L1": 0, "L2": 0, "L3": 0})
+    locked: tuple[str, ...] = ()
+    waits: list[LayerFuture] = field(default_factory=list)  # loads to wait for, layer by layer
+
+
+def window_pages(window_tokens: Optional[int], page_size: int) -> int:
+    """Pages whose SWA data a request continuing at a page boundary reads (positions [p - W + 1, p))."""
+    if not window_tokens:
+        return 0
+    return math.ceil((window_tokens - 1) / page_size)
+
+
+class HiCache:
+    def __init__(self, pools: KVPools, window_tokens: Optional[int], cfg: Optional[HiCacheConfig] = None,
+                 seed=DEFAULT_SEED) -> None:
+        self.pools = pools
+        self.cfg = cfg
+        self.page_size = pools.cfg.page_size
+        self.has_swa = bool(pools.swa.layer_ids) and bool(window_tokens)
+        self.tree = RadixTree(self.page_size, window_pages(window_tokens, self.page_size) if self.has_swa else 0,
+                              seed=seed)
+        self.host = HostPools(pools, cfg) if cfg is not None else None
+        self.copier = Copier() if cfg is not None else None
+        self._loading: dict[int, LayerFuture] = {}      # node id -> its load into L1, until polled
+        self._backing_up: dict[tuple[int, str], list[int]] = {}  # (node id, component) -> L2 pages
+        self.stats = {"hit_tokens": {"L1": 0, "L2": 0, "L3": 0}, "lookup_tokens": 0,
+                      "bytes": {"L1->L2": 0, "L2->L1": 0}, "pages": {"L1->L2": 0, "L2->L1": 0},
+                      "evicted_pages": {"L1": 0, "L2": 0}, "hits_given_up": 0}
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        return COMPONENTS if self.has_swa else (FULL,)
+
+    # ---- lookups ---------------------------------------------------------------------------------
+    def match(self, tokens: Sequence[int], max_pages: int, now: float) -> PrefixHit:
+        """Longest usable cached prefix of ``tokens`` (at most ``max_pages`` pages), loaded into L1 and
+        locked. A hit that cannot be brought into L1 is given up (the request recomputes it)."""
+        ps = self.page_size
+        n = min(max_pages, len(tokens) // ps)
+        self.stats["lookup_tokens"] += n * ps
+        if n <= 0:
+            return PrefixHit()
+        res = self.tree.match_prefix(self.tree.page_keys(list(tokens[:n * ps])), now=now)
+        if res.num_pages == 0:
+            return PrefixHit()
+        hit = PrefixHit(node=res.node, num_pages=res.num_pages)
+        self._lock(hit)
+        from_l2 = res.full_l2
+        if from_l2 and (self.host is None or from_l2 < self.cfg.load_back_threshold_pages) or res.full_l3:
+            # L3 hits are fetched by the L3 prefetcher (not here); short L2 runs are cheaper to recompute.
+            return self._give_up(hit)
+        if not self._load_back(res.nodes, hit):
+            return self._give_up(hit)
+        hit.waits += [f for f in (self._loading.get(nd.id) for nd in res.nodes) if f is not None and not f.done]
+        for nd in res.nodes:
+            hit.full_pages += nd.l1[FULL]
+        lo = res.num_pages - self.tree.window_pages
+        for nd in res.nodes:
+            for i in range(nd.num_pages):
+                page = nd.depth + i
+                swa = nd.l1[SWA]
+                hit.swa_pages.append(swa[i] if self.has_swa and swa is not None and page >= lo else None)
+        hit.tokens_by_tier = {"L1": res.full_l1 * ps, "L2": from_l2 * ps, "L3": 0}
+        for t, v in hit.tokens_by_tier.items():
+            self.stats["hit_tokens"][t] += v
+        if self.cfg is not None and self.cfg.write_policy == "write_through_selective":
+            for nd in res.nodes:
+                if nd.hit_count >= self.cfg.write_through_threshold:
+                    self._backup(nd, now)
+        return hit
+
+    def _lock(self, hit: PrefixHit) -> None:
+        self.tree.lock(hit.node, FULL)
+        hit.locked = (FULL,)
+        if self.has_swa:
+            self.tree.lock(hit.node, SWA)
+            hit.locked = (FULL, SWA)
+
+    def release(self, hit: PrefixHit) -> None:
+        """Unpin a hit (the request finished, was aborted or preempted)."""
+        for c in reversed(hit.locked):
+            self.tree.unlock(hit.node, c)
+        hit.locked = ()
+
+    def _give_up(self, hit: PrefixHit) -> PrefixHit:
+        self.stats["hits_given_up"] += 1
+        self.release(hit)
+        return PrefixHit()
+
+    # ---- insert ------------------------------------------------------------------------------------
+    def insert(self, tokens: Sequence[int], full_pages: Sequence[int], swa_pages: Sequence[Optional[int]],
+               now: float) -> tuple[list[int], list[int]]:
+        """Hand a finished sequence's whole pages to the tree. Returns (full, swa) L1 pages the caller
+        still owns and must free (duplicates of pages the tree already had)."""
+        n = len(full_pages)
+        if n == 0:
+            return [], []
+        swa = list(swa_pages) if self.has_swa else [None] * n
+        res = self.tree.insert(self.tree.page_keys(list(tokens[:n * self.page_size])), list(full_pages), swa,
+                               now=now)
+        if self.cfg is not None and self.cfg.write_policy == "write_through":
+            for nd in res.node.path():
+                self._backup(nd, now)
+        return res.free_full, res.free_swa
+
+    # ---- L1 room -----------------------------------------------------------------------------------
+    def evict_l1(self, component: str, n_pages: int) -> int:
+        """Free at least ``n_pages`` L1 pages of ``component`` if the tree can; returns pages freed.
+        Nodes whose backup is still in flight are pinned: when they are what stands in the way, wait
+        for the copies rather than lose cached data or preempt a request."""
+        write_back = self.cfg is not None and self.cfg.write_policy == "write_back"
+        got = 0
+        for attempt in range(2):
+            freed = self.tree.evict(component, L1, n_pages - got, on_evict=self._on_evict if write_back else None)
+            self._free(freed)
+            got += len(freed[component, L1])
+            if got >= n_pages or attempt or self.copier is None or not self.copier.num_pending:
+                break
+            self.copier.poll(block=True)
+        self.stats["evicted_pages"]["L1"] += got
+        return got
+
+    def _on_evict(self, node: Node, component: str, tier: str) -> None:
+        if tier == L1:
+            self._backup_component(node, component, sync=True)
+
+    def _free(self, freed: Freed) -> None:
+        for (c, t), pages in freed.items():
+            if not pages:
+                continue
+            if t == L1:
+                self.pools.pool(c).allocator.free(pages)
+            else:
+                self.host.pool(c).allocator.free(pages)
+
+    # ---- tier moves ----------------------------------------------------------------------------------
+    def _backup(self, node: Node, now: float) -> None:
+        for c in self.components:
+            self._backup_component(node, c)
+
+    def _backup_component(self, node: Node, c: str, sync: bool = False) -> bool:
+        """Copy ``node``'s L1 data of ``c`` into fresh L2 pages (L1 -> L2). In the background unless
+        ``sync`` (write-back: the L1 pages are about to be freed); the node stays locked meanwhile."""
+        if self.host is None or node.l1[c] is None or node.l2[c] is not None:
+            return node.l2[c] is not None
+        if (node.id, c) in self._backing_up:
+            if not sync:
+                return True
+            self.copier.poll(block=True)
+            return node.l2[c] is not None
+        host = self.host.pool(c)
+        if not self._host_room(c, node.num_pages):
+            return False
+        dst = host.allocator.alloc(node.num_pages)
+        src = list(node.l1[c])
+        l1 = self.pools.pool(c).flat()
+        self._count("L1->L2", node.num_pages, host.page_bytes)
+        if sync:
+            kernels.l1_to_l2(l1, host.data, host.layout, src, dst, check=False)
+            self.tree.set_l2(node, c, dst)
+            return True
+        locks = (FULL, SWA) if c == SWA else (FULL,)
+        for lc in locks:
+            self.tree.lock(node, lc)
+        self._backing_up[(node.id, c)] = dst
+
+        def run(fut: LayerFuture) -> None:
+            kernels.l1_to_l2(l1, host.data, host.layout, src, dst, check=False)
+
+        first = node.depth  # a match may split the node meanwhile: the object keeps the lower part
+
+        def done() -> None:
+            del self._backing_up[(node.id, c)]
+            for lc in reversed(locks):
+                self.tree.unlock(node, lc)
+            x, unused = node, list(dst)
+            while fut.error is None and x is not None and not x.removed and x.depth >= first:
+                part = dst[x.depth - first:x.end - first]
+                if x.l2[c] is None and x.l1[c] is not None:
+                    self.tree.set_l2(x, c, part)
+                    unused = [p for p in unused if p not in set(part)]
+                x = x.parent
+            host.allocator.free(unused)
+
+        fut = LayerFuture({})
+        self.copier.submit(Job(run, fut, done, tag=f"backup {c}"))
+        return True
+
+    def poll(self, block: bool = False) -> None:
+        """Apply finished background copies (call between steps); ``block`` waits for all of them."""
+        if self.copier is not None:
+            self.copier.poll(block)
+
+    def _host_room(self, c: str, n: int) -> bool:
+        host = self.host.pool(c)
+        if not host.allocator.can_alloc(n):
+            freed = self.tree.evict(c, L2, n - host.allocator.num_free)
+            self.stats["evicted_pages"]["L2"] += len(freed[c, L2])
+            self._free(freed)
+        return host.allocator.can_alloc(n)
+
+    def _l1_room(self, c: str, n: int) -> bool:
+        alloc = self.pools.pool(c).allocator
+        if not alloc.can_alloc(n):
+            self.evict_l1(c, n - alloc.num_free)
+        return alloc.can_alloc(n)
+
+    def _load_back(self, nodes: list[Node], hit: PrefixHit) -> bool:
+        """Bring the L2-only data the match needs into L1 (full: every node; SWA: the window). The pages
+        are recorded in the tree at once; the copy runs in the background layer by layer and
+        ``hit.waits`` tells the forward when each layer has arrived."""
+        lo = (nodes[-1].end - self.tree.window_pages) if nodes else 0
+        moves: list[tuple[str, list[int], list[int]]] = []   # (component, L2 src, L1 dst)
+        for nd in nodes:  # root first: L1 holds full data only below L1 parents
+            needs = [FULL] if nd.l1[FULL] is None else []
+            if self.has_swa and nd.end > lo and nd.l1[SWA] is None and nd.l2[SWA] is not None:
+                needs.append(SWA)
+            for c in needs:
+                if nd.l2[c] is None or not self._l1_room(c, nd.num_pages):
+                    return False  # pages already moved stay valid L1 copies in the tree
+                host = self.host.pool(c)
+                dst = self.pools.pool(c).allocator.alloc(nd.num_pages)
+                self.tree.set_l1(nd, c, dst)
+                moves.append((c, list(nd.l2[c]), dst))
+                self._count("L2->L1", nd.num_pages, host.page_bytes)
+        if not moves:
+            return True
+        comps = sorted({c for c, _, _ in moves})
+        fut = LayerFuture({c: len(self.pools.pool(c).layer_ids) for c in comps})
+        locks = tuple(hit.locked)
+        for c in locks:  # the copy keeps its own pin: the request may be aborted before it ends
+            self.tree.lock(hit.node, c)
+        node, loaded = hit.node, [nd.id for nd in nodes]
+
+        def run(f: LayerFuture) -> None:
+            n_layers = max(len(self.pools.pool(c).layer_ids) for c in comps)
+            for slot in range(n_layers):
+                for c in comps:
+                    if slot >= len(self.pools.pool(c).layer_ids):
+                        continue
+                    host, l1 = self.host.pool(c), self.pools.pool(c).flat()
+                    for mc, src, dst in moves:
+                        if mc == c:
+                            kernels.l2_to_l1(l1, host.data, host.layout, src, dst, layer=slot, check=False)
+                    f.set_layer(c, slot)
+
+        def done() -> None:
+            for c in reversed(locks):
+                self.tree.unlock(node, c)
+            for i in loaded:
+                if self._loading.get(i) is fut:
+                    del self._loading[i]
+
+        for i in loaded:
+            self._loading[i] = fut
+        self.copier.submit(Job(run, fut, done, tag="load"))
+        hit.waits.append(fut)
+        return True
+
+    def _count(self, direction: str, pages: int, page_bytes: int) -> None:
+        self.stats["pages"][direction] += pages
+        self.stats["bytes"][direction] += pages * page_bytes
+
+    # ---- maintenance -----------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Drop every cached page of every tier (no request may hold a hit)."""
+        if self.copier is not None:
+            self.copier.poll(block=True)
+        self._free(self.tree.flush())
+
+    def close(self) -> None:
+        if self.copier is not None:
+            self.copier.close()
+
+    def owners(self) -> dict[str, list[int]]:
+        return {c: self.tree.all_pages(c, L1) for c in COMPONENTS}
+
+    def check_integrity(self) -> None:
+        self.tree.check_integrity()
+        if self.host is not None:
+            for c in COMPONENTS:
+                pending = [p for (_, pc), pages in self._backing_up.items() if pc == c for p in pages]
+                self.host.pool(c).allocator.check_integrity({"tree": self.tree.all_pages(c, L2),
+                                                             "backups in flight": pending})
+
+    def usage(self) -> dict:
+        out = {"L1": {c: self.tree.num_pages(c, L1) for c in COMPONENTS}}
+        if self.host is not None:
+            out["L2"] = {c: self.host.pool(c).allocator.num_used for c in COMPONENTS}
+            out["L2_bytes"] = self.host.bytes_used()
+        return out

@@ -1,0 +1,412 @@
+"""The unified, SWA-aware, tiered radix tree of one worker (pure bookkeeping: no tensors, no clock).
+
+The tree maps page-key paths (storage/hashing.py) to where each page's KV lives, per component
+(``full``: full-attention layers, ``swa``: sliding-window layers) and per tier (L1 device pool page
+indices, L2 host pool page indices, L3 presence flag). It owns no memory: page indices handed to it
+belong to it until it hands them back in a ``Freed`` (evict / flush / set_l3) or as insert duplicates.
+
+Rules (checked by ``check_integrity``, see storage/radix_check.py):
+
+* **Existence.** Every node holds full data in some tier; a node losing its last full copy is removed
+  together with its subtree (descendants are unreachable without it; they only hold L2/L3 full data
+  by then, plus SWA data, all of which is freed).
+* **L1 is closed towards the root** for full: a node has full L1 data only if its parent does (or is the
+  root). So a match's L1 pages are always its first pages, used in place.
+* **Tombstones.** SWA data is independent per node: any node may lose it (internal nodes too) while
+  its full data stays. A match is usable at page m only if the last ``window_pages`` pages before m
+  have SWA data in some tier.
+* **Locks** (``lock(node, c)``). Full: path lock -- the node and all its ancestors. SWA: only the nodes
+  intersecting the window ``[max(0, end - W), end)`` before the node's end, since that is all the SWA
+  data a request continuing from there reads. A SWA lock requires the node to be full-locked, and a
+  full unlock that would leave a SWA-locked node full-unlocked raises: so every SWA-locked node is
+  full-locked, hence never removed.
+* **LRU** per (component, tier), see storage/radix_lru.py. A node is in the (c, L1) list iff it holds c
+  in L1 and is unlocked for c, and, for full, no child holds full L1 (evict from the leaves, as
+  removing or demoting a parent first would break L1 closure). It is in the (c, L2) list iff it holds c
+  in L2 but not in L1 (L2 is its top copy -- never in both lists for the same data), is unlocked for
+  c, and, for full, no child holds full L1 or L2. SWA has no leaf condition: tombstoning an internal
+  node is harmless, and a match path shares one timestamp, so children still go first.
+* **Eviction** of (c, tier) from a node drops that copy. Full: if no other full copy is left the node
+  and its subtree are removed (``on_evict`` lets a write-back controller back it up first). SWA: the
+  node stays, tombstoned if no other SWA copy is left.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Iterator, Optional, Sequence
+
+from storage.hashing import DEFAULT_SEED, Seed, page_keys
+from storage.radix_check import check_tree
+from storage.radix_lru import LRUIndex
+from storage.radix_node import (COMPONENTS, FULL, L1, L2, L3, PAGE_TIERS, SWA, TIERS, Freed, InsertResult,
+                                KVEvent, MatchResult, Node)
+from storage.radix_tiers import OnEvict, TierOps
+
+
+def _common(edge: list[bytes], keys: Sequence[bytes], i: int) -> int:
+    """Length of the common prefix of ``edge`` and ``keys[i:]``."""
+    n = min(len(edge), len(keys) - i)
+    k = 0
+    while k < n and edge[k] == keys[i + k]:
+        k += 1
+    return k
+
+
+def _run(swa: list, i: int, limit: int) -> int:
+    """Length of the run starting at ``i`` (before ``limit``) where SWA pages are all given or all None."""
+    given = swa[i] is not None
+    j = i + 1
+    while j < limit and (swa[j] is not None) == given:
+        j += 1
+    return j - i
+
+
+class RadixTree(TierOps):
+    """Page-granular radix tree over page keys (storage/hashing.py).
+
+    ``window_pages`` (W) is how many pages before a match point must hold SWA data for the match to be
+    usable -- the caller converts the model's sliding window in tokens (e.g. ``ceil((window - 1) /
+    page_size)`` for a request continuing at a page boundary); 0 disables the SWA condition. Times
+    (``now``) are whatever monotonic clock the owner uses; the tree never reads one.
+    """
+
+    def __init__(self, page_size: int, window_pages: int, *, seed: Seed = DEFAULT_SEED) -> None:
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        self.page_size = page_size
+        self.window_pages = self._check_window(window_pages)
+        self.seed = seed
+        self.root = Node(None, [], 0)
+        self._lru = {(c, t): LRUIndex(f"{c}/{t}") for c in COMPONENTS for t in PAGE_TIERS}
+        self._locks: Counter[tuple[str, Node]] = Counter()  # (component, node) -> lock() calls held
+        self._events: list[KVEvent] = []
+        self._size = {(c, t): 0 for c in COMPONENTS for t in PAGE_TIERS}
+        self.num_nodes = 0
+
+    @staticmethod
+    def _check_window(w: int) -> int:
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ValueError(f"window_pages must be an int >= 0, got {w!r}")
+        return w
+
+    # ------------------------------------------------------------------ keys, queries, events
+
+    def page_keys(self, tokens, salt: Seed | None = None) -> list[bytes]:
+        """Keys of the full pages of ``tokens`` under this tree's seed (and a tenant ``salt``)."""
+        return page_keys(tokens, self.page_size, seed=self.seed, salt=salt)
+
+    def take_events(self) -> list[KVEvent]:
+        """Drain the KV events accumulated since the last call, oldest first."""
+        out, self._events = self._events, []
+        return out
+
+    def num_pages(self, component: str, tier: str) -> int:
+        """Pages of ``component`` the tree holds in page tier ``tier``."""
+        return self._size[(component, tier)]
+
+    def evictable_pages(self, component: str, tier: str) -> int:
+        """Pages currently in the (component, tier) LRU (full: leaves only; more become evictable)."""
+        return self._lru[(component, tier)].num_pages
+
+    def iter_nodes(self) -> Iterator[Node]:
+        """Every node but the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def all_pages(self, component: str, tier: str) -> list[int]:
+        out: list[int] = []
+        for n in self.iter_nodes():
+            p = n.pages(component, tier)
+            if p is not None:
+                out.extend(p)
+        return out
+
+    def owners(self, tier: str = L1, name: str = "tree") -> dict[str, dict[str, list[int]]]:
+        """``{component: {name: pages}}``, the shape KVPools.check_integrity(owners) takes."""
+        return {c: {name: self.all_pages(c, tier)} for c in COMPONENTS}
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if any invariant of the module doc (or of the bookkeeping) is broken."""
+        check_tree(self)
+
+    # ------------------------------------------------------------------ match / insert
+
+    def match_prefix(self, keys: Sequence[bytes], *, now: float,
+                     window_pages: Optional[int] = None) -> MatchResult:
+        """Longest usable prefix of ``keys`` (see MatchResult); touches the usable path.
+
+        ``window_pages`` overrides the tree's W for this query only (locks always use the tree's W).
+        Splits the last node when m falls inside it, so ``result.node`` ends exactly at m.
+        """
+        w = self.window_pages if window_pages is None else self._check_window(window_pages)
+        path: list[tuple[Node, int]] = []  # (node, pages of it matched)
+        cur, i = self.root, 0
+        while i < len(keys):
+            child = cur.children.get(keys[i])
+            if child is None:
+                break
+            k = _common(child.keys, keys, i)
+            path.append((child, k))
+            i += k
+            if k < child.num_pages:
+                break
+            cur = child
+        res = MatchResult(node=self.root, matched_pages=i)
+        # m may only end right after a SWA-present run that is >= W long or starts at page 0.
+        best, run_start = -1, None
+        for idx, (node, k) in enumerate(path):
+            if node.has_any(SWA):
+                run_start = node.depth if run_start is None else run_start
+                if w == 0 or run_start == 0 or node.depth + k - run_start >= w:
+                    best = idx
+            else:
+                run_start = None
+                if w == 0:
+                    best = idx
+        if best < 0:
+            return res
+        last, k = path[best]
+        if k < last.num_pages:
+            last = self._split(last, k)
+        nodes = [n for n, _ in path[:best]] + [last]
+        res.node, res.nodes, res.num_pages = last, nodes, last.end
+        for n in nodes:
+            tier = n.best_tier(FULL)
+            if tier == L1:
+                res.full_l1 += n.num_pages
+                res.l1_full.extend(n.l1[FULL])
+            elif tier == L2:
+                res.full_l2 += n.num_pages
+            else:
+                res.full_l3 += n.num_pages
+            res.l1_swa.extend(n.l1[SWA] if n.l1[SWA] is not None else [None] * n.num_pages)
+            n.last_access = now
+            n.hit_count += 1
+            self._refresh(n)
+        res.swa_window = left = min(w, res.num_pages)
+        swa_tiers = {t: 0 for t in TIERS}
+        for n in reversed(nodes):
+            if left == 0:
+                break
+            take = min(left, n.num_pages)
+            swa_tiers[n.best_tier(SWA)] += take  # never None: the window is inside a SWA run
+            left -= take
+        res.swa_l1, res.swa_l2, res.swa_l3 = swa_tiers[L1], swa_tiers[L2], swa_tiers[L3]
+        return res
+
+    def insert(self, keys: Sequence[bytes], full_pages: Sequence[int],
+               swa_pages: Optional[Sequence[Optional[int]]] = None, *, now: float,
+               tokens: Optional[Sequence[int]] = None) -> InsertResult:
+        """Insert a finished sequence of ``len(keys)`` pages with its L1 pages.
+
+        ``full_pages[i]`` is the full L1 page of page i; ``swa_pages`` is aligned with the pages, None
+        where the caller has no SWA data (typically all but the last window). Existing nodes keep
+        their L1 data (the caller's differing pages come back as duplicates to free); a node lacking
+        L1 data of a component (evicted to L2/L3, or a SWA tombstone) adopts the caller's pages.
+        ``tokens`` (``len(keys) * page_size`` ids) are stored on new edges for debugging/export.
+        """
+        n = len(keys)
+        full = list(full_pages)
+        swa = list(swa_pages) if swa_pages is not None else [None] * n
+        toks = list(tokens) if tokens is not None else None
+        if len(full) != n or len(swa) != n:
+            raise ValueError(f"{n} keys but {len(full)} full pages and {len(swa)} swa entries")
+        if any(p is None for p in full):
+            raise ValueError("every page needs a full L1 page")
+        if toks is not None and len(toks) != n * self.page_size:
+            raise ValueError(f"{len(toks)} tokens for {n} pages of {self.page_size}")
+        res = InsertResult(node=self.root)
+        cur, i = self.root, 0
+        while i < n:
+            child = cur.children.get(keys[i])
+            if child is None:
+                break
+            cut = _common(child.keys, keys, i)
+            if child.l1[SWA] is None:  # adopting SWA pages must cover the whole node: cut at run ends
+                cut = min(cut, _run(swa, i, i + cut))
+            if cut < child.num_pages:
+                child = self._split(child, cut)
+            self._absorb(child, i, full, swa, toks, res)
+            cur, i = child, i + cut
+        res.num_existing = i
+        while i < n:
+            r = _run(swa, i, n)
+            ps = self.page_size
+            node = Node(cur, list(keys[i:i + r]), i, toks[i * ps:(i + r) * ps] if toks else None, now)
+            cur.children[node.keys[0]] = node
+            self.num_nodes += 1
+            self._set(node, FULL, L1, full[i:i + r])
+            if swa[i] is not None:
+                self._set(node, SWA, L1, swa[i:i + r])
+            cur, i = node, i + r
+        for node in cur.path():
+            node.last_access = now
+            self._refresh(node)
+        res.node = cur
+        return res
+
+    def _absorb(self, node: Node, i: int, full: list, swa: list, toks: Optional[list],
+                res: InsertResult) -> None:
+        """Merge the caller's pages ``[i, i + node.num_pages)`` into an existing node."""
+        k = node.num_pages
+        mine = full[i:i + k]
+        if node.l1[FULL] is None:
+            self._set(node, FULL, L1, mine)  # the parent was absorbed just before: L1 closure holds
+        else:
+            res.free_full.extend(p for p, q in zip(mine, node.l1[FULL]) if p != q)
+        mine = swa[i:i + k]
+        if node.l1[SWA] is None:
+            if mine[0] is not None:  # uniform by the run cut: un-tombstone / load with the caller's
+                self._set(node, SWA, L1, mine)
+        else:
+            res.free_swa.extend(p for p, q in zip(mine, node.l1[SWA]) if p is not None and p != q)
+        if node.tokens is None and toks is not None:
+            node.tokens = toks[i * self.page_size:(i + k) * self.page_size]
+
+    # ------------------------------------------------------------------ locks
+
+    def _check_live(self, node: Node) -> None:
+        if node.removed or (node is not self.root and node.parent is None):
+            raise ValueError(f"{node!r} is not in the tree")
+
+    def _swa_start(self, node: Node) -> int:
+        return max(0, node.end - self.window_pages)
+
+    def lock(self, node: Node, component: str) -> None:
+        """Pin ``node``'s data of ``component`` (see the module doc for the extent of a lock)."""
+        self._check_live(node)
+        if component == FULL:
+            x = node
+            while x is not self.root:
+                x.lock[FULL] += 1
+                if x.lock[FULL] == 1:
+                    self._refresh(x)
+                x = x.parent
+        elif component == SWA:
+            if node is not self.root and node.lock[FULL] == 0:
+                raise ValueError(f"lock {FULL} before {SWA}: {node!r}")
+            start, x, top = self._swa_start(node), node, None
+            while x is not self.root and x.end > start:
+                x.lock[SWA] += 1
+                if x.lock[SWA] == 1:
+                    self._refresh(x)
+                top, x = x, x.parent
+            if top is not None:
+                # Remembered where the window starts so a later split of `top` knows which half it covers.
+                top.swa_lock_starts[start] += 1
+        else:
+            raise ValueError(f"unknown component {component!r}")
+        self._locks[(component, node)] += 1
+
+    def unlock(self, node: Node, component: str) -> None:
+        """Undo one ``lock(node, component)``; raises ValueError if none is held (never negative)."""
+        if component not in COMPONENTS:
+            raise ValueError(f"unknown component {component!r}")
+        if self._locks.get((component, node), 0) <= 0:
+            raise ValueError(f"{node!r} holds no {component} lock")
+        if component == FULL:
+            x = node
+            while x is not self.root:
+                if x.lock[FULL] == 1 and x.lock[SWA] > 0:
+                    raise ValueError(f"unlock {SWA} before {FULL}: {x!r} is still {SWA}-locked")
+                x = x.parent
+            x = node
+            while x is not self.root:
+                x.lock[FULL] -= 1
+                if x.lock[FULL] == 0:
+                    self._refresh(x)
+                x = x.parent
+        else:
+            start, x, top = self._swa_start(node), node, None
+            while x is not self.root and x.end > start:
+                x.lock[SWA] -= 1
+                if x.lock[SWA] == 0:
+                    self._refresh(x)
+                top, x = x, x.parent
+            if top is not None:
+                top.swa_lock_starts[start] -= 1
+                if top.swa_lock_starts[start] == 0:
+                    del top.swa_lock_starts[start]
+        self._locks[(component, node)] -= 1
+        if self._locks[(component, node)] == 0:
+            del self._locks[(component, node)]
+
+    # ------------------------------------------------------------------ internals
+
+    def _set(self, node: Node, c: str, tier: str, value) -> None:
+        """The one place data changes: keeps sizes, events, parent counters and LRU lists exact."""
+        if tier == L3:
+            was, now = node.l3[c], bool(value)
+            node.l3[c] = now
+        else:
+            store = node.l1 if tier == L1 else node.l2
+            old = store[c]
+            was, now = old is not None, value is not None
+            store[c] = value
+            self._size[(c, tier)] += len(value or ()) - len(old or ())
+        if was != now:
+            self._events.append(KVEvent("stored" if now else "removed", tier, c, tuple(node.keys)))
+            if c == FULL and tier != L3:
+                node.parent.child_full[tier] += 1 if now else -1
+                self._refresh(node.parent)
+        self._refresh(node)
+
+    def _wants(self, node: Node, c: str, tier: str) -> bool:
+        """Whether ``node`` belongs in the (c, tier) LRU (module doc, "LRU")."""
+        if node.lock[c] or node.pages(c, tier) is None:
+            return False
+        if tier == L1:
+            return c == SWA or node.child_full[L1] == 0
+        if node.l1[c] is not None:
+            return False
+        return c == SWA or node.child_full[L1] + node.child_full[L2] == 0
+
+    def _refresh(self, node: Node) -> None:
+        if node is self.root or node.removed:
+            return
+        for (c, t), lru in self._lru.items():
+            if self._wants(node, c, t):
+                lru.add(node)
+            else:
+                lru.discard(node)
+
+    def _split(self, node: Node, k: int) -> Node:
+        """Cut ``node`` after its first ``k`` pages; returns the new upper node. The original object
+        stays the lower part, so lock holders (who hold the deepest node) keep a valid handle."""
+        assert 0 < k < node.num_pages, (k, node)
+        ps, s, parent = self.page_size, node.depth + k, node.parent
+        up = Node(parent, node.keys[:k], node.depth, node.tokens[:k * ps] if node.tokens else None,
+                  node.last_access)
+        up.hit_count = node.hit_count
+        for c in COMPONENTS:
+            for lo_store, up_store in ((node.l1, up.l1), (node.l2, up.l2)):
+                if lo_store[c] is not None:
+                    up_store[c], lo_store[c] = lo_store[c][:k], lo_store[c][k:]
+            up.l3[c] = node.l3[c]
+        # Full locks are path locks: both halves carry them all. A SWA lock reaches the upper half iff
+        # its window starts before the cut; those move their start marker up with it.
+        up.lock[FULL] = node.lock[FULL]
+        keep = Counter({st: n for st, n in node.swa_lock_starts.items() if st >= s})
+        up.swa_lock_starts = Counter({st: n for st, n in node.swa_lock_starts.items() if st < s})
+        up.lock[SWA] = node.lock[SWA] - sum(keep.values())
+        node.swa_lock_starts = keep
+        old_pages = node.num_pages
+        node.keys, node.depth = node.keys[k:], s
+        node.tokens = node.tokens[k * ps:] if node.tokens else node.tokens
+        parent.children[up.keys[0]] = up
+        up.children = {node.keys[0]: node}
+        node.parent = up
+        for t in PAGE_TIERS:
+            up.child_full[t] = int(node.l1[FULL] is not None) if t == L1 else int(node.l2[FULL] is not None)
+        for lru in self._lru.values():
+            lru.resize(node, old_pages)
+        self.num_nodes += 1
+        self._refresh(up)
+        return up
+
+
+__all__ = ["RadixTree", "OnEvict", "MatchResult", "InsertResult", "KVEvent", "Freed", "Node", "TIERS", "L1", "L2",
+           "L3", "FULL", "SWA", "COMPONENTS"]

@@ -1,0 +1,98 @@
+"""Eviction order of the radix tree: one LRUIndex per (component, tier).
+
+A binary heap with lazy deletion instead of an OrderedDict: nodes *enter* a list at arbitrary times
+(a parent becomes a leaf when its last child is evicted) with an old ``last_access``, and an
+OrderedDict would put them at the MRU end. Here the order is always exactly ``(last_access, deeper
+first, node id)`` -- deeper first because a match touches a whole path with one timestamp and a child
+must go before its parent. add/discard/touch are O(log n) (O(1) for discard), pop is amortised
+O(log n); stale heap entries are dropped when met or when they outnumber live ones.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Iterator, Optional
+
+from storage.radix_node import Node
+
+_Key = tuple  # (last_access, -end, id)
+
+
+def lru_key(node: Node) -> _Key:
+    return (node.last_access, -node.end, node.id)
+
+
+class LRUIndex:
+    """The set of nodes currently evictable for one (component, tier), in LRU order."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        # Entries are (key, seq, node); seq is unique so a re-added node's old entry (same key) is stale.
+        self._heap: list[tuple[_Key, int, Node]] = []
+        self._key: dict[int, _Key] = {}  # node id -> its current key
+        self._seq: dict[int, int] = {}  # node id -> seq of its live heap entry
+        self._counter = itertools.count()
+        self._nodes: dict[int, Node] = {}
+        self.num_pages = 0  # pages held by the members: what evicting everything would free
+
+    def __len__(self) -> int:
+        return len(self._key)
+
+    def __contains__(self, node: Node) -> bool:
+        return node.id in self._key
+
+    def members(self) -> list[Node]:
+        return list(self._nodes.values())
+
+    def key_of(self, node: Node) -> Optional[_Key]:
+        return self._key.get(node.id)
+
+    def add(self, node: Node) -> None:
+        """Insert, or re-key after ``last_access`` changed (no-op when already current)."""
+        key = lru_key(node)
+        old = self._key.get(node.id)
+        if old == key:
+            return
+        if old is None:
+            self.num_pages += node.num_pages
+            self._nodes[node.id] = node
+        self._key[node.id] = key
+        seq = self._seq[node.id] = next(self._counter)
+        heapq.heappush(self._heap, (key, seq, node))
+        self._maybe_compact()
+
+    def discard(self, node: Node) -> None:
+        if self._key.pop(node.id, None) is not None:
+            del self._seq[node.id]
+            del self._nodes[node.id]
+            self.num_pages -= node.num_pages
+
+    def resize(self, node: Node, old_pages: int) -> None:
+        """A member was split: its page count changed from ``old_pages``."""
+        if node.id in self._key:
+            self.num_pages += node.num_pages - old_pages
+
+    def peek(self) -> Optional[Node]:
+        """Least recently used member (None when empty)."""
+        heap = self._heap
+        while heap:
+            _, seq, node = heap[0]
+            if self._seq.get(node.id) == seq:
+                return node
+            heapq.heappop(heap)
+        return None
+
+    def ordered(self) -> Iterator[Node]:
+        """Members in eviction order without mutating (O(n log n): for peeking, not the hot path)."""
+        return iter(sorted(self._nodes.values(), key=lru_key))
+
+    def _maybe_compact(self) -> None:
+        if len(self._heap) > 2 * len(self._key) + 64:
+            self._heap = [(k, self._seq[i], self._nodes[i]) for i, k in self._key.items()]
+            heapq.heapify(self._heap)
+
+    def consistent(self) -> bool:
+        """Every member has exactly one live heap entry, keyed by its current key (check_integrity)."""
+        live = [(n.id, k) for k, seq, n in self._heap if self._seq.get(n.id) == seq]
+        return (len(live) == len(self._key) and len({i for i, _ in live}) == len(live)
+                and all(self._key[i] == k == lru_key(self._nodes[i]) for i, k in live))
