@@ -1,6 +1,7 @@
 """The ``strata`` command.
 
-    strata serve [--prompt TEXT ...]   # until the Ray cluster lands: an offline demo generation
+    strata serve [--config YAML]       # local Ray cluster + HTTP on 127.0.0.1:8000
+    strata demo [--prompt TEXT ...]    # offline generation through the Engine API
     strata bench [--quick]             # engine throughput table (bench/engine.py)
 """
 from __future__ import annotations
@@ -13,6 +14,14 @@ DEMO_PROMPTS = ("The sliding window keeps", "Multi-turn traffic reuses", "Expert
 
 
 def _serve(args: argparse.Namespace) -> int:
+    """Start a local Ray cluster and serve the configured cluster on HTTP until interrupted."""
+    from cluster import launch
+
+    argv = (["--config", args.config] if args.config else []) + (["--address", args.address] if args.address else [])
+    return launch.main(argv)
+
+
+def _demo(args: argparse.Namespace) -> int:
     from engine import Engine, SamplingParams
 
     t = time.perf_counter()
@@ -29,7 +38,6 @@ def _serve(args: argparse.Namespace) -> int:
     n = sum(len(o.token_ids) for o in outs)
     print(f"\n{n} tokens in {dt:.2f}s. strata-tiny has random weights, so the text is noise; "
           "the tokens are exactly those of transformers' GptOss on the same checkpoint.")
-    print("HTTP serving on 127.0.0.1:8000 arrives with the Ray cluster ([cluster] issue).")
     return 0
 
 
@@ -45,11 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="strata", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("serve", help="start serving (offline demo for now)")
-    s.add_argument("--model", default="strata-tiny")
-    s.add_argument("--prompt", action="append")
-    s.add_argument("--max-new-tokens", type=int, default=24)
+    s = sub.add_parser("serve", help="start a local Ray cluster and serve HTTP (127.0.0.1:8000 by default)")
+    s.add_argument("--config", default=None, help="cluster YAML (default: cluster/configs/default.yaml)")
+    s.add_argument("--address", default=None, help="an existing Ray cluster instead of a local one")
     s.set_defaults(fn=_serve)
+    d = sub.add_parser("demo", help="offline generation with the Engine API, no cluster")
+    d.add_argument("--model", default="strata-tiny")
+    d.add_argument("--prompt", action="append")
+    d.add_argument("--max-new-tokens", type=int, default=24)
+    d.set_defaults(fn=_demo)
     b = sub.add_parser("bench", help="engine throughput table")
     b.add_argument("--quick", action="store_true")
     b.set_defaults(fn=_bench)

@@ -1,0 +1,118 @@
+"""HTTP ingress: a Ray Serve deployment whose FastAPI app (actors/http_api.py) serves from the cluster:
+the router picks a prefill worker (and a decode worker), the prompt's KV travels from prefill to decode
+through the Ray object store, and tokens stream back."""
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+import ray
+from ray import serve
+
+from actors.http_api import build_app
+from actors.metrics import Metrics
+from engine.async_engine import StreamItem
+from engine.model.tokenizer import TextTokenizer
+from engine.sampling import SamplingParams
+
+
+class RayBackend:
+    def __init__(self, router, workers: dict, model_name: str, model_path: str, vocab_size: int,
+                 max_context: int, request_timeout: float) -> None:
+        self.router, self.workers = router, workers
+        self.model_name, self.vocab_size, self.max_context = model_name, vocab_size, max_context
+        self.tok = TextTokenizer(model_path)
+        self.timeout = request_timeout
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids)
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        from jinja2 import Template
+        tpl = self.tok.chat_template or "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+        return Template(tpl).render(messages=messages, add_generation_prompt=True)
+
+    async def stream(self, ids: list[int], params: SamplingParams) -> AsyncIterator[StreamItem]:
+        choice = await self.router.route.remote(ids)
+        pre = self.workers[choice["prefill"]]
+        route = {"prefill": choice["prefill"], "decode": choice["decode"]}
+        if choice["decode"] is None:
+            async for ref in pre.generate.remote(ids, params):
+                item = await asyncio.wait_for(ref, self.timeout)
+                item.route = route
+                yield item
+            return
+        first_ref, payload_ref = pre.prefill.remote(ids, params)
+        try:
+            first: StreamItem = await asyncio.wait_for(first_ref, self.timeout)
+        except ray.exceptions.RayTaskError as e:
+            raise _unwrap(e) from None
+        first.route = route
+        if first.finished and first.finish_reason != "prefill":
+            yield first
+            return
+        cached, by_tier = first.cached_tokens, first.cached_tokens_by_tier
+        first.finished, first.finish_reason = False, None
+        yield first
+        dec = self.workers[choice["decode"]]
+        # The payload goes by reference: the decode worker reads it from the object store directly.
+        async for ref in dec.decode.remote(ids, payload_ref, params):
+            try:
+                item: StreamItem = await asyncio.wait_for(ref, self.timeout)
+            except ray.exceptions.RayTaskError as e:
+                raise _unwrap(e) from None
+            if item.finished:
+                item.cached_tokens, item.cached_tokens_by_tier = cached, by_tier
+            item.route = route
+            yield item
+
+    async def health(self) -> dict:
+        try:
+            st = await asyncio.wait_for(self.router.status.remote(), 5)
+        except Exception as e:
+            return {"ok": False, "error": repr(e)}
+        live = [w for w, s in st["workers"].items() if s["age_s"] < 3]
+        return {"ok": bool(live), "workers": live, "indexed_pages": st["indexed_pages"]}
+
+    async def flush_cache(self) -> bool:
+        res = await asyncio.gather(*(w.flush_cache.remote() for w in self.workers.values()),
+                                   return_exceptions=True)
+        return all(r is True for r in res)
+
+    async def gauges(self) -> dict:
+        out = {}
+        try:
+            st = await asyncio.wait_for(self.router.status.remote(), 2)
+        except Exception:
+            return out
+        out["strata_router_indexed_pages"] = st["indexed_pages"]
+        out["strata_router_decisions_total"] = st["decisions"]
+        for w, s in st["workers"].items():
+            load = s["load"]
+            lab = f'{{worker="{w}",role="{s["role"]}"}}'
+            out[f"strata_worker_running|{lab}"] = load.get("running", 0)
+            out[f"strata_worker_queued_tokens|{lab}"] = load.get("queued_tokens", 0)
+            out[f"strata_kv_pages_free|{lab}"] = load.get("free_pages", 0)
+            out[f"strata_kv_pages_total|{lab}"] = load.get("total_pages", 0)
+        return out
+
+
+def _unwrap(e: Exception) -> Exception:
+    """Ray wraps a worker's ValueError/MemoryError; give the HTTP layer the original kind."""
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, (ValueError, MemoryError)) else RuntimeError(str(e).splitlines()[0])
+
+
+@serve.ingress()
+class Ingress:
+    def __init__(self, router, workers: dict, model_name: str, model_path: str, vocab_size: int,
+                 max_context: int, request_timeout: float = 120.0, max_inflight: int = 256) -> None:
+        self.backend = RayBackend(router, workers, model_name, model_path, vocab_size, max_context,
+                                  request_timeout)
+        self.max_inflight = max_inflight
+
+    def __serve_build_asgi_app__(self):
+        return build_app(self.backend, Metrics(), self.max_inflight)

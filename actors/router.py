@@ -1,0 +1,65 @@
+"""The Ray shell of the global prefix router (logic in actors/routing.py)."""
+from __future__ import annotations
+
+import time
+
+import ray
+
+from actors.routing import PrefixIndex, RouterConfig, pick_decode, prompt_keys, route
+
+
+@ray.remote(max_restarts=-1, max_task_retries=-1)
+class PrefixRouterActor:
+    def __init__(self, cfg: RouterConfig, stale_after: float = 3.0) -> None:
+        self.cfg = cfg
+        self.index = PrefixIndex()
+        self.loads: dict[str, dict] = {}
+        self.roles: dict[str, str] = {}
+        self.seen: dict[str, float] = {}
+        self.removed: set[str] = set()
+        self.stale_after = stale_after
+        self.decisions = 0
+
+    def report(self, worker: str, role: str, events: list, load: dict, fresh: bool) -> None:
+        if worker in self.removed:
+            return
+        if fresh:
+            self.index.drop_worker(worker)
+        self.index.apply(worker, events)
+        self.loads[worker], self.roles[worker], self.seen[worker] = load, role, time.monotonic()
+
+    def report_l3(self, events: list) -> None:
+        self.index.apply("L3", events)
+
+    def _live(self, roles: tuple[str, ...]) -> dict[str, dict]:
+        now = time.monotonic()
+        return {w: self.loads[w] for w, r in self.roles.items()
+                if r in roles and now - self.seen[w] < self.stale_after and w not in self.removed}
+
+    def route(self, ids: list[int]) -> dict:
+        """{"prefill": worker, "decode": worker or None, "cached_pages": n, "by_tier": {...}}."""
+        prefill = self._live(("prefill", "colocated"))
+        worker, ov = route(self.index, prompt_keys(ids, self.cfg), len(ids), prefill, self.cfg)
+        decode = None
+        if self.roles[worker] == "prefill":
+            decode = pick_decode(self._live(("decode",)))
+            self.loads[decode]["running"] = self.loads[decode].get("running", 0) + 1
+        # Count the request against the worker until its next report, so a burst spreads out.
+        self.loads[worker]["queued_tokens"] = self.loads[worker].get("queued_tokens", 0) + len(ids)
+        self.decisions += 1
+        return {"prefill": worker, "decode": decode, "cached_pages": ov.pages, "by_tier": ov.by_tier}
+
+    def remove_worker(self, worker: str) -> int:
+        """Stop routing to a worker and forget its cache (operators, tests, failure handling)."""
+        self.removed.add(worker)
+        self.loads.pop(worker, None)
+        self.roles.pop(worker, None)
+        return self.index.drop_worker(worker)
+
+    def restore_worker(self, worker: str) -> None:
+        self.removed.discard(worker)
+
+    def status(self) -> dict:
+        return {"workers": {w: {"role": self.roles[w], "load": self.loads[w],
+                                "age_s": round(time.monotonic() - self.seen[w], 3)} for w in self.roles},
+                "indexed_pages": len(self.index), "decisions": self.decisions, "removed": sorted(self.removed)}

@@ -1,0 +1,159 @@
+"""The global prefix index and the route policy (pure: no Ray; the router actor holds one of these).
+
+Workers publish KV events (storage/radix_node.KVEvent: pages stored/removed per tier and component);
+the shared L3 store publishes its writes and evictions the same way under the worker id ``L3``. The
+index answers, per prefill worker, how much of a prompt that worker could serve from cache: full pages
+it holds in L1/L2 or L3 has, usable only up to a point where the last window of SWA pages is also held
+(by the worker or L3) -- the rule of the worker's own radix tree.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+from storage.hashing import DEFAULT_SEED, page_keys
+
+L3_WORKER = "L3"
+TIER_RANK = {"L1": 0, "L2": 1, "L3": 2}
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Route = argmin over prefill workers of
+    ``miss_weight * uncached tokens + sum(tier_weight[t] * tokens served from t) + load_weight * queued``.
+    """
+
+    page_size: int = 16
+    window_pages: int = 0            # SWA pages a continuation needs (0: the model has no SWA layers)
+    seed: bytes | str | int = DEFAULT_SEED
+    miss_weight: float = 1.0
+    l1_weight: float = 0.0
+    l2_weight: float = 0.1
+    l3_weight: float = 0.3
+    load_weight: float = 1.0         # per queued prefill token of the worker
+    running_weight: float = 16.0     # per running request of the worker
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {self.page_size!r}")
+        if not isinstance(self.window_pages, int) or self.window_pages < 0:
+            raise ValueError(f"window_pages must be an int >= 0, got {self.window_pages!r}")
+        for name in ("miss_weight", "l1_weight", "l2_weight", "l3_weight", "load_weight", "running_weight"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+
+
+@dataclass
+class Overlap:
+    pages: int = 0
+    by_tier: dict[str, int] = field(default_factory=lambda: {"L1": 0, "L2": 0, "L3": 0})
+
+
+class PrefixIndex:
+    """page key -> holder -> tiers, separately for the full and the SWA component."""
+
+    def __init__(self) -> None:
+        self._full: dict[bytes, dict[str, set[str]]] = defaultdict(dict)
+        self._swa: dict[bytes, dict[str, set[str]]] = defaultdict(dict)
+        self._by_worker: dict[str, set[bytes]] = defaultdict(set)
+
+    def __len__(self) -> int:
+        return len(self._full)
+
+    def apply(self, worker: str, events: Iterable) -> None:
+        for ev in events:
+            table = self._full if ev.component == "full" else self._swa
+            for key in ev.page_keys:
+                holders = table[key]
+                if ev.kind == "stored":
+                    holders.setdefault(worker, set()).add(ev.tier)
+                    self._by_worker[worker].add(key)
+                else:
+                    tiers = holders.get(worker)
+                    if tiers is not None:
+                        tiers.discard(ev.tier)
+                        if not tiers:
+                            del holders[worker]
+                    if not holders:
+                        del table[key]
+
+    def drop_worker(self, worker: str) -> int:
+        """Forget everything a (dead) worker held; returns how many keys it touched."""
+        keys = self._by_worker.pop(worker, set())
+        for table in (self._full, self._swa):
+            for key in keys:
+                holders = table.get(key)
+                if holders and worker in holders:
+                    del holders[worker]
+                    if not holders:
+                        del table[key]
+        return len(keys)
+
+    def _best(self, table, key: bytes, worker: str) -> str | None:
+        holders = table.get(key)
+        if not holders:
+            return None
+        best = None
+        for who in (worker, L3_WORKER):
+            for t in holders.get(who, ()):
+                if who == L3_WORKER and t != "L3":
+                    continue
+                if best is None or TIER_RANK[t] < TIER_RANK[best]:
+                    best = t
+        return best
+
+    def overlap(self, keys: Sequence[bytes], worker: str, window_pages: int) -> Overlap:
+        """Usable cached prefix of ``keys`` for ``worker`` (see the module doc)."""
+        best_m, run_start = 0, None
+        tiers: list[str] = []
+        for i, key in enumerate(keys):
+            t = self._best(self._full, key, worker)
+            if t is None:
+                break
+            tiers.append(t)
+            if window_pages == 0:
+                best_m = i + 1
+                continue
+            if self._best(self._swa, key, worker) is not None:
+                run_start = i if run_start is None else run_start
+                if run_start == 0 or i + 1 - run_start >= window_pages:
+                    best_m = i + 1
+            else:
+                run_start = None
+        out = Overlap(best_m)
+        for t in tiers[:best_m]:
+            out.by_tier[t] += 1
+        return out
+
+
+def prompt_keys(tokens: Sequence[int], cfg: RouterConfig) -> list[bytes]:
+    # The last token is always computed, so a page ending exactly at the prompt end never hits.
+    usable = (len(tokens) - 1) // cfg.page_size * cfg.page_size
+    return page_keys(list(tokens[:usable]), cfg.page_size, seed=cfg.seed)
+
+
+def route(index: PrefixIndex, keys: Sequence[bytes], prompt_len: int, loads: Mapping[str, dict],
+          cfg: RouterConfig) -> tuple[str, Overlap]:
+    """The prefill worker with the lowest cost for this prompt (ties: the first in ``loads`` order)."""
+    if not loads:
+        raise ValueError("no prefill worker is available")
+    best = None
+    for worker, load in loads.items():
+        ov = index.overlap(keys, worker, cfg.window_pages)
+        ps = cfg.page_size
+        cost = (cfg.miss_weight * (prompt_len - ov.pages * ps)
+                + ps * (cfg.l1_weight * ov.by_tier["L1"] + cfg.l2_weight * ov.by_tier["L2"]
+                        + cfg.l3_weight * ov.by_tier["L3"])
+                + cfg.load_weight * load.get("queued_tokens", 0) + cfg.running_weight * load.get("running", 0))
+        if best is None or cost < best[0]:
+            best = (cost, worker, ov)
+    return best[1], best[2]
+
+
+def pick_decode(loads: Mapping[str, dict]) -> str:
+    """The decode worker with the most free pages per running request."""
+    if not loads:
+        raise ValueError("no decode worker is available")
+    return max(loads, key=lambda w: (loads[w].get("free_pages", 0) / (1 + loads[w].get("running", 0)), -list(loads).index(w)))

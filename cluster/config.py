@@ -1,0 +1,118 @@
+"""One YAML describes the cluster. Each room owns its dataclass (EngineConfig, HiCacheConfig,
+RouterConfig); this module only composes them and maps YAML onto them one to one."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from actors.routing import RouterConfig
+from engine.config import EngineConfig
+from storage.config import HiCacheConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    prefill: int = 1
+    decode: int = 1
+    colocated: int = 0
+    num_cpus: float = 0.5          # Ray logical CPUs per worker actor (declare fractions on small boxes)
+    num_gpus: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "decode", "colocated"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"workers.{name} must be an int >= 0, got {v!r}")
+        if self.colocated == 0 and (self.prefill == 0 or self.decode == 0):
+            raise ValueError("workers: need prefill >= 1 and decode >= 1, or colocated >= 1")
+        if self.colocated and (self.prefill or self.decode):
+            raise ValueError("workers: colocated workers cannot be mixed with prefill/decode workers")
+        if self.num_cpus < 0 or self.num_gpus < 0:
+            raise ValueError("workers.num_cpus and workers.num_gpus must be >= 0")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str = "strata-tiny"
+    request_timeout: float = 120.0
+    max_inflight: int = 256
+    num_cpus: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 < self.port < 65536:
+            raise ValueError(f"server.port must be in 1..65535, got {self.port!r}")
+        if self.max_inflight < 1 or self.request_timeout <= 0:
+            raise ValueError("server.max_inflight must be >= 1 and server.request_timeout > 0")
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    address: str | None = None      # None: start a local cluster (strata serve); "auto" inside ray job submit
+    num_cpus: int = 8               # logical CPUs of a local cluster
+    namespace: str = "strata"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_cpus, int) or self.num_cpus < 1:
+            raise ValueError(f"ray.num_cpus must be a positive int, got {self.num_cpus!r}")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(enable_prefix_cache=True,
+                                                                       hicache=HiCacheConfig()))
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+def _build(cls, data: Any, path: str):
+    if data is None:
+        return cls()
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(data) - set(fields)
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
+    kwargs = {}
+    for k, v in data.items():
+        sub = _NESTED.get((cls, k))
+        kwargs[k] = _build(sub, v, f"{path}.{k}") if sub is not None and v is not None else v
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+_NESTED = {(ClusterConfig, "engine"): EngineConfig, (ClusterConfig, "workers"): WorkersConfig,
+           (ClusterConfig, "router"): RouterConfig, (ClusterConfig, "server"): ServerConfig,
+           (ClusterConfig, "ray"): RayConfig, (EngineConfig, "hicache"): HiCacheConfig}
+
+
+def from_dict(data: dict) -> ClusterConfig:
+    return _build(ClusterConfig, data, "config")
+
+
+def load_config(path: str | Path | None = None) -> ClusterConfig:
+    p = Path(path) if path else DEFAULT_CONFIG
+    if not p.is_file():
+        raise ValueError(f"config: no such file {p}")
+    return from_text(p.read_text())
+
+
+def from_text(text: str) -> ClusterConfig:
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"config: invalid YAML: {e}") from None
+    return from_dict(data)

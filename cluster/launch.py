@@ -1,0 +1,139 @@
+"""Start the cluster described by a YAML: router, workers (in a placement group), HTTP ingress; wait
+until every worker reports. The entrypoint of
+
+    ray job submit --working-dir . -- python -m cluster.launch --config cluster/configs/NAME.yaml --detach
+
+and of ``strata serve`` (which starts a local Ray cluster first)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import time
+
+RAY_ENV = {
+    # Keep --node-ip-address=127.0.0.1 from being replaced, so nothing binds beyond loopback.
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    # A ~/.ray/auth_token left by another tool would otherwise make every call fail InvalidAuthToken.
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+
+
+def set_ray_env() -> None:
+    for k, v in RAY_ENV.items():
+        os.environ.setdefault(k, v)
+
+
+set_ray_env()
+
+import ray  # noqa: E402
+from ray import serve  # noqa: E402
+from ray.util.placement_group import placement_group  # noqa: E402
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
+
+from actors.ingress import Ingress  # noqa: E402
+from actors.router import PrefixRouterActor  # noqa: E402
+from actors.worker import WorkerActor  # noqa: E402
+from cluster.config import ClusterConfig, load_config  # noqa: E402
+from engine.model.config import ModelConfig  # noqa: E402
+from engine.model.loader import resolve_model_path  # noqa: E402
+
+
+def init_ray(cfg: ClusterConfig, address: str | None = None) -> None:
+    if ray.is_initialized():
+        return
+    address = address or cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, namespace=cfg.ray.namespace, log_to_driver=False)
+    else:
+        ray.init(num_cpus=cfg.ray.num_cpus, namespace=cfg.ray.namespace, include_dashboard=False,
+                 _node_ip_address="127.0.0.1", log_to_driver=False)
+
+
+def deploy(cfg: ClusterConfig, detached: bool = False, ready_timeout: float = 120.0) -> dict:
+    """Create router, workers and ingress; returns their handles once every worker has reported."""
+    path = resolve_model_path(cfg.engine.model)
+    mc = ModelConfig.from_dir(path)
+    ps = cfg.engine.page_size
+    window = mc.sliding_window if mc.sliding_layers else 0
+    router_cfg = dataclasses.replace(cfg.router, page_size=ps,
+                                     window_pages=math.ceil((window - 1) / ps) if window else 0)
+    engine_cfg = dataclasses.replace(cfg.engine, model=str(path))
+    life = {"lifetime": "detached"} if detached else {}
+    router = PrefixRouterActor.options(name="strata-router", num_cpus=0.1, get_if_exists=True,
+                                       **life).remote(router_cfg)
+    roles = ([("colocated", i) for i in range(cfg.workers.colocated)]
+             + [("prefill", i) for i in range(cfg.workers.prefill)]
+             + [("decode", i) for i in range(cfg.workers.decode)])
+    w = cfg.workers
+    bundle = {"CPU": w.num_cpus, **({"GPU": w.num_gpus} if w.num_gpus else {})}
+    pg = placement_group([bundle] * len(roles), strategy="PACK",
+                         name="strata-workers" if detached else "", lifetime="detached" if detached else None)
+    ray.get(pg.ready(), timeout=ready_timeout)
+    workers = {}
+    for i, (role, n) in enumerate(roles):
+        wid = f"{role}-{n}"
+        workers[wid] = WorkerActor.options(
+            name=f"strata-{wid}", num_cpus=w.num_cpus, num_gpus=w.num_gpus, **life,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+        ).remote(wid, role, engine_cfg, router)
+    ray.get([a.start.remote() for a in workers.values()], timeout=ready_timeout)
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline:
+        st = ray.get(router.status.remote())
+        if set(st["workers"]) >= set(workers):
+            break
+        time.sleep(0.1)
+    else:
+        raise TimeoutError("workers did not report to the router in time")
+    s = cfg.server
+    serve.start(http_options={"host": s.host, "port": s.port})
+    app = serve.deployment(Ingress, name="ingress", num_replicas=1,
+                           ray_actor_options={"num_cpus": s.num_cpus}).bind(
+        router, workers, s.model_name, str(path), mc.vocab_size, mc.max_position_embeddings,
+        s.request_timeout, s.max_inflight)
+    serve.run(app, name="strata", route_prefix="/", blocking=False)
+    return {"router": router, "workers": workers, "placement_group": pg,
+            "url": f"http://{s.host}:{s.port}", "model_path": str(path)}
+
+
+def shutdown(handles: dict | None = None) -> None:
+    try:
+        serve.shutdown()
+    except Exception:
+        pass
+    if handles:
+        for a in list(handles["workers"].values()) + [handles["router"]]:
+            ray.kill(a, no_restart=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m cluster.launch")
+    ap.add_argument("--config", default=None, help="cluster YAML (default: the embedded default)")
+    ap.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local cluster)")
+    ap.add_argument("--detach", action="store_true", help="deploy detached actors and exit (ray job submit)")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+    except ValueError as e:
+        print(f"strata: {e}", file=sys.stderr)
+        return 2
+    init_ray(cfg, args.address)
+    handles = deploy(cfg, detached=args.detach)
+    print(f"strata: serving {cfg.server.model_name} at {handles['url']} "
+          f"({len(handles['workers'])} workers: {', '.join(handles['workers'])})", flush=True)
+    if args.detach:
+        return 0
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        shutdown(handles)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""An Engine driven by its own thread, with an asyncio API: what a worker process serves from.
+
+The engine (and the radix tree inside it) is only ever touched by the engine thread; callers on any
+event loop submit commands and read per-request streams. Nothing here knows about Ray.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from engine.disagg import KVPayload
+from engine.engine import Engine
+from engine.request import Status
+from engine.sampling import SamplingParams
+
+
+@dataclass
+class StreamItem:
+    """One piece of a request's stream: new tokens, and on the last item the final accounting."""
+
+    rid: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    kv_payload: KVPayload | None = None
+    error: str | None = None
+    route: dict = field(default_factory=dict)    # which workers served it (set by the cluster)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, name: str = "engine") -> None:
+        self.engine = engine
+        self._cmds: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._ids = itertools.count()
+        self._stop = False
+        self.last_step_time = time.monotonic()
+        self.steps = 0
+        self._thread = threading.Thread(target=self._run, name=f"strata-{name}", daemon=True)
+        self._thread.start()
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop:
+            busy = self.engine.has_unfinished()
+            try:
+                cmd = self._cmds.get(timeout=None if not busy else 0) if not busy else self._cmds.get_nowait()
+            except queue.Empty:
+                cmd = None
+            if cmd is not None:
+                cmd()
+                while True:  # drain the rest before stepping
+                    try:
+                        self._cmds.get_nowait()()
+                    except queue.Empty:
+                        break
+            if self.engine.has_unfinished():
+                try:
+                    outs = self.engine.step()
+                except Exception as e:  # a broken step must not leave clients hanging
+                    self._fail_all(f"engine step failed: {e!r}")
+                    continue
+                self.steps += 1
+                self.last_step_time = time.monotonic()
+                for o in outs:
+                    self._emit(o.rid, o.new_token_ids, o.finished)
+
+    def _emit(self, rid: str, toks: list[int], finished: bool) -> None:
+        stream = self._streams.get(rid)
+        if stream is None:
+            return
+        item = StreamItem(rid, toks, finished)
+        if finished:
+            req = self.engine.requests[rid]
+            out = self.engine.pop_finished(rid)
+            item.finish_reason = out.finish_reason
+            item.prompt_tokens = out.prompt_tokens
+            item.cached_tokens = out.cached_tokens
+            item.cached_tokens_by_tier = out.cached_tokens_by_tier
+            item.kv_payload = req.kv_payload
+            self._streams.pop(rid, None)
+        loop, q = stream
+        loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _fail_all(self, msg: str) -> None:
+        for rid in list(self._streams):
+            if rid in self.engine.requests:
+                self.engine.abort(rid)
+                self.engine.pop_finished(rid)
+            loop, q = self._streams.pop(rid)
+            loop.call_soon_threadsafe(q.put_nowait, StreamItem(rid, [], True, "error", error=msg))
+
+    def call(self, fn: Callable[[Engine], Any]) -> "asyncio.Future":
+        """Run ``fn(engine)`` on the engine thread; the result (or exception) comes back as a future."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def cmd() -> None:
+            try:
+                res = fn(self.engine)
+                loop.call_soon_threadsafe(fut.set_result, res)
+            except BaseException as e:
+                loop.call_soon_threadsafe(fut.set_exception, e)
+
+        self._cmds.put(cmd)
+        return fut
+
+    def call_blocking(self, fn: Callable[[Engine], Any], timeout: float | None = 30.0) -> Any:
+        """``call`` for plain threads (no event loop)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def cmd() -> None:
+            try:
+                fut.set_result(fn(self.engine))
+            except BaseException as e:
+                fut.set_exception(e)
+
+        self._cmds.put(cmd)
+        return fut.result(timeout)
+
+    # ---- requests ------------------------------------------------------------------------------------
+    async def _stream(self, rid: str, submit: Callable[[Engine], None]) -> AsyncIterator[StreamItem]:
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+
+        def add(eng: Engine) -> None:
+            self._streams[rid] = (loop, q)
+            try:
+                submit(eng)
+            except BaseException:
+                self._streams.pop(rid, None)
+                raise
+            req = eng.requests.get(rid)
+            if req is not None and req.status is Status.FINISHED:  # finished on admission
+                self._emit(rid, list(req.output_ids), True)
+
+        await self.call(add)
+        try:
+            while True:
+                item = await q.get()
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if rid in self._streams:  # the consumer went away: stop computing for it
+                self._cmds.put(lambda: self._abort_now(rid))
+
+    def _abort_now(self, rid: str) -> None:
+        self._streams.pop(rid, None)
+        if rid in self.engine.requests:
+            self.engine.abort(rid)
+            self.engine.pop_finished(rid)
+
+    def new_rid(self, prefix: str = "r") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def generate(self, prompt, params: SamplingParams, rid: str | None = None,
+                 prefill_only: bool = False) -> AsyncIterator[StreamItem]:
+        rid = rid or self.new_rid()
+        return self._stream(rid, lambda e: e.add_request(prompt, params, rid, prefill_only=prefill_only))
+
+    def decode(self, prompt, payload: KVPayload, params: SamplingParams,
+               rid: str | None = None) -> AsyncIterator[StreamItem]:
+        rid = rid or self.new_rid()
+        return self._stream(rid, lambda e: e.add_prefilled(prompt, payload, params, rid))
+
+    async def abort(self, rid: str) -> None:
+        await self.call(lambda e: self._abort_now(rid))
+
+    # ---- introspection -------------------------------------------------------------------------------
+    async def take_events(self) -> list:
+        return await self.call(lambda e: e.cache.tree.take_events() if e.cache is not None else [])
+
+    def load(self) -> dict:
+        """Racy but cheap snapshot (ints read from another thread) for routing."""
+        s = self.engine.scheduler
+        queued = sum(r.remaining for r in list(s.waiting)) + sum(r.remaining for r in list(s.running)
+                                                                  if not r.is_decoding)
+        return {"queued_tokens": queued, "running": len(s.running), "waiting": len(s.waiting),
+                "free_pages": self.engine.pools.full.allocator.num_free,
+                "total_pages": self.engine.pools.full.num_pages}
+
+    async def stats(self) -> dict:
+        return await self.call(lambda e: e.stats())
+
+    async def flush_cache(self) -> bool:
+        def flush(e: Engine) -> bool:
+            if e.scheduler.running or e.scheduler.waiting:
+                return False
+            e.flush_cache()
+            return True
+        return await self.call(flush)
+
+    def close(self) -> None:
+        self._stop = True
+        self._cmds.put(lambda: None)
+        self._thread.join(timeout=5)
+        if self.engine.cache is not None:
+            self.engine.cache.close()

@@ -1,0 +1,26 @@
+"""A real local Ray cluster with the 2 prefill + 1 decode configuration, served on a free port."""
+import dataclasses
+import socket
+
+import pytest
+
+from cluster import launch  # sets the Ray environment (loopback, no token auth) on import
+from cluster.config import load_config
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="package")
+def cluster():
+    import ray
+    cfg = load_config("cluster/configs/pd-2p1d.yaml")
+    cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, port=_free_port()))
+    launch.init_ray(cfg)
+    handles = launch.deploy(cfg)
+    yield handles
+    launch.shutdown(handles)
+    ray.shutdown()

@@ -1,0 +1,138 @@
+"""End to end over HTTP against a real local Ray cluster (2 prefill + 1 decode workers)."""
+import json
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+
+from engine import Engine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def reference(cluster):
+    return Engine.from_pretrained(cluster["model_path"], page_size=16, num_pages=512)
+
+
+def _ref(eng, ids, n):
+    return eng.generate([ids], SamplingParams(max_new_tokens=n))[0].token_ids
+
+
+def _sse(resp) -> list:
+    out = []
+    for line in resp.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.append(json.loads(line[6:]))
+    return out
+
+
+def test_generate_and_openai_match_engine_generate(cluster, reference):
+    url = cluster["url"]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60)
+    prompts = [[5, 6, 7], list(range(90)), [i % 256 for i in range(3, 300)]]
+    for ids in prompts:
+        want = _ref(reference, ids, 12)
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+        r = httpx.post(f"{url}/generate", json=body, timeout=60).json()
+        assert r["output_ids"] == want
+        assert r["meta_info"]["prompt_tokens"] == len(ids) and r["meta_info"]["finish_reason"] in ("length", "stop")
+        with httpx.stream("POST", f"{url}/generate", json={**body, "stream": True}, timeout=60) as resp:
+            chunks = _sse(resp)
+        assert chunks[-1]["output_ids"] == want and chunks[-1]["meta_info"]["completion_tokens"] == len(want)
+        text = reference.tokenizer.decode(want)
+        c = client.completions.create(model="strata-tiny", prompt=ids, max_tokens=12, temperature=0)
+        assert c.choices[0].text == text and c.usage.prompt_tokens == len(ids)
+        s = client.completions.create(model="strata-tiny", prompt=ids, max_tokens=12, temperature=0, stream=True)
+        assert "".join(ch.choices[0].text for ch in s if ch.choices) == text
+    chat_ids = reference.tokenizer.encode("<|start|>user<|message|>hi<|end|><|start|>assistant<|message|>")
+    want = reference.tokenizer.decode(_ref(reference, chat_ids, 6))
+    cc = client.chat.completions.create(model="strata-tiny", messages=[{"role": "user", "content": "hi"}],
+                                        max_tokens=6, temperature=0)
+    assert cc.choices[0].message.content == want
+    stream = client.chat.completions.create(model="strata-tiny", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    parts = list(stream)
+    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == want
+    assert parts[-1].usage.completion_tokens == 6
+
+
+def test_second_turn_goes_back_to_the_prefill_worker_holding_the_first(cluster):
+    url = cluster["url"]
+    hist = [i % 251 for i in range(7, 400)]
+    r1 = httpx.post(f"{url}/generate", json={"input_ids": hist, "sampling_params": {"max_new_tokens": 8,
+                                                                                    "temperature": 0}}, timeout=60).json()
+    p1 = r1["meta_info"]["route"]["prefill"]
+    time.sleep(0.5)  # KV events reach the router within a report interval
+    turn2 = hist + r1["output_ids"] + [3] * 40
+    r2 = httpx.post(f"{url}/generate", json={"input_ids": turn2, "sampling_params": {"max_new_tokens": 8,
+                                                                                     "temperature": 0}}, timeout=60).json()
+    assert r2["meta_info"]["route"]["prefill"] == p1
+    assert r2["meta_info"]["cached_tokens"] >= 16 * (len(hist) // 16) - 16
+
+
+@pytest.mark.parametrize("body, code", [
+    ({"input_ids": [1, 2, 999]}, 400),
+    ({"input_ids": []}, 400),
+    ({"text": "a", "input_ids": [1]}, 400),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, 422),
+    ({"input_ids": [1], "sampling_params": {"temperature": "hot"}}, 422),
+    ({"input_ids": [1], "unknown_field": 1}, 422),
+    ({"input_ids": [1], "return_logprob": True}, 422),
+    ({"input_ids": [1] * 9000}, 400),
+])
+def test_bad_generate_bodies_get_4xx_and_the_server_keeps_serving(cluster, body, code):
+    url = cluster["url"]
+    r = httpx.post(f"{url}/generate", json=body, timeout=60)
+    assert r.status_code == code, r.text
+    assert "error" in r.json()
+    ok = httpx.post(f"{url}/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}},
+                    timeout=60)
+    assert ok.status_code == 200
+
+
+def test_invalid_utf8_and_non_json_bodies(cluster):
+    url = cluster["url"]
+    r = httpx.post(f"{url}/generate", content=b"\xff\xfe{not json", headers={"content-type": "application/json"})
+    assert 400 <= r.status_code < 500
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": "x", "messages": []})
+    assert r.status_code == 422
+
+
+def test_health_models_metrics(cluster):
+    url = cluster["url"]
+    assert httpx.get(f"{url}/health").json()["ok"] is True
+    assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "strata-tiny"
+    m = httpx.get(f"{url}/metrics").text
+    assert "strata_requests_total" in m and "strata_ttft_seconds_bucket" in m and "strata_kv_pages_free" in m
+
+
+def test_killing_the_decode_worker_mid_stream_gives_a_clean_error_and_it_comes_back(cluster):
+    url = cluster["url"]
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+            "stream": True}
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=120) as resp:
+        lines = resp.iter_lines()
+        got = 0
+        for line in lines:
+            if line.startswith("data: {"):
+                got += 1
+                if got == 3:
+                    ray.kill(cluster["workers"]["decode-0"], no_restart=False)
+            if line == "data: [DONE]":
+                break
+            if '"error"' in line:
+                err = json.loads(line[6:])
+                break
+        else:
+            pytest.fail("stream ended without an error or [DONE]")
+    assert "request failed" in err["error"]["message"]
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        r = httpx.post(f"{url}/generate", json={"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 4}},
+                       timeout=60)
+        if r.status_code == 200:
+            break
+        time.sleep(1)
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == 4
