@@ -91,41 +91,53 @@ class PrefixIndex:
                         del table[key]
         return len(keys)
 
-    def _best(self, table, key: bytes, worker: str) -> str | None:
-        holders = table.get(key)
-        if not holders:
-            return None
-        best = None
-        for who in (worker, L3_WORKER):
-            for t in holders.get(who, ()):
-                if who == L3_WORKER and t != "L3":
-                    continue
-                if best is None or TIER_RANK[t] < TIER_RANK[best]:
-                    best = t
-        return best
-
     def overlap(self, keys: Sequence[bytes], worker: str, window_pages: int) -> Overlap:
         """Usable cached prefix of ``keys`` for ``worker`` (see the module doc)."""
-        best_m, run_start = 0, None
-        tiers: list[str] = []
+        return self.overlap_all(keys, [worker], window_pages)[worker]
+
+    def overlap_all(self, keys: Sequence[bytes], workers: list[str], window_pages: int) -> dict[str, Overlap]:
+        """``overlap`` for several workers in one pass over the keys (each key is looked up once)."""
+        state = {w: [0, None, []] for w in workers}   # best_m, run_start, tiers
+        alive = set(workers)
         for i, key in enumerate(keys):
-            t = self._best(self._full, key, worker)
-            if t is None:
+            if not alive:
                 break
-            tiers.append(t)
-            if window_pages == 0:
-                best_m = i + 1
-                continue
-            if self._best(self._swa, key, worker) is not None:
-                run_start = i if run_start is None else run_start
-                if run_start == 0 or i + 1 - run_start >= window_pages:
-                    best_m = i + 1
-            else:
-                run_start = None
-        out = Overlap(best_m)
-        for t in tiers[:best_m]:
-            out.by_tier[t] += 1
+            full, swa = self._full.get(key), self._swa.get(key)
+            for w in list(alive):
+                t = _top(full, w)
+                st = state[w]
+                if t is None:
+                    alive.discard(w)
+                    continue
+                st[2].append(t)
+                if window_pages == 0:
+                    st[0] = i + 1
+                elif _top(swa, w) is not None:
+                    st[1] = i if st[1] is None else st[1]
+                    if st[1] == 0 or i + 1 - st[1] >= window_pages:
+                        st[0] = i + 1
+                else:
+                    st[1] = None
+        out = {}
+        for w, (m, _, tiers) in state.items():
+            ov = Overlap(m)
+            for t in tiers[:m]:
+                ov.by_tier[t] += 1
+            out[w] = ov
         return out
+
+
+def _top(holders: dict | None, worker: str) -> str | None:
+    """Fastest tier of a page for ``worker``: its own L1/L2, else the shared L3."""
+    if not holders:
+        return None
+    best = None
+    for t in holders.get(worker, ()):
+        if best is None or TIER_RANK[t] < TIER_RANK[best]:
+            best = t
+    if best is None and "L3" in holders.get(L3_WORKER, ()):
+        best = "L3"
+    return best
 
 
 def prompt_keys(tokens: Sequence[int], cfg: RouterConfig) -> list[bytes]:
@@ -140,9 +152,10 @@ def route(index: PrefixIndex, keys: Sequence[bytes], prompt_len: int, loads: Map
     if not loads:
         raise ValueError("no prefill worker is available")
     best = None
+    overlaps = index.overlap_all(keys, list(loads), cfg.window_pages)
+    ps = cfg.page_size
     for worker, load in loads.items():
-        ov = index.overlap(keys, worker, cfg.window_pages)
-        ps = cfg.page_size
+        ov = overlaps[worker]
         cost = (cfg.miss_weight * (prompt_len - ov.pages * ps)
                 + ps * (cfg.l1_weight * ov.by_tier["L1"] + cfg.l2_weight * ov.by_tier["L2"]
                         + cfg.l3_weight * ov.by_tier["L3"])

@@ -15,7 +15,9 @@ Encoding (stable across processes, platforms and Python versions):
 """
 from __future__ import annotations
 
+import array
 import hashlib
+import sys
 import operator
 import struct
 from typing import Iterable, Sequence, Union
@@ -79,14 +81,21 @@ def encode_tokens(tokens: Tokens) -> bytes:
     """
     if hasattr(tokens, "tolist"):
         tokens = tokens.tolist()
+    if not isinstance(tokens, list):
+        tokens = list(tokens)
     try:
-        ids = [operator.index(t) for t in tokens]
+        # array() packs a list of ints in C; it rejects floats and bools pass as ints, like index().
+        packed = array.array("q", tokens)
     except TypeError as e:
         raise TypeError(f"token ids must be integers: {e}") from None
-    if ids and (min(ids) < 0 or max(ids) > _INT64_MAX):
-        bad = next(t for t in ids if t < 0 or t > _INT64_MAX)
+    except OverflowError:
+        packed = None
+    if packed is None or (packed and min(packed) < 0):
+        bad = next(t for t in tokens if t < 0 or t > _INT64_MAX)
         raise ValueError(f"token id {bad} outside [0, 2**63)")
-    return struct.pack(f"<{len(ids)}q", *ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def _chain(parent: bytes, encoded: bytes, page_bytes: int, n_pages: int) -> list[bytes]:
