@@ -18,6 +18,10 @@ from engine.async_engine import StreamItem
 from engine.sampling import SamplingParams
 
 
+class ServiceUnavailable(Exception):
+    """The cluster cannot take the request now (no live worker, pools full): HTTP 503."""
+
+
 class Backend(Protocol):
     model_name: str
     max_context: int
@@ -194,7 +198,7 @@ def build_app(backend: Backend, metrics: Metrics | None = None, max_inflight: in
             return None
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
-        except MemoryError as e:
+        except (MemoryError, ServiceUnavailable) as e:
             raise HTTPException(503, str(e)) from None
         return item
 

@@ -9,7 +9,7 @@ from typing import AsyncIterator
 import ray
 from ray import serve
 
-from actors.http_api import build_app
+from actors.http_api import ServiceUnavailable, build_app
 from actors.metrics import Metrics
 from engine.async_engine import StreamItem
 from engine.model.tokenizer import TextTokenizer
@@ -36,7 +36,10 @@ class RayBackend:
         return Template(tpl).render(messages=messages, add_generation_prompt=True)
 
     async def stream(self, ids: list[int], params: SamplingParams) -> AsyncIterator[StreamItem]:
-        choice = await self.router.route.remote(ids)
+        try:
+            choice = await self.router.route.remote(ids)
+        except ray.exceptions.RayError as e:
+            raise ServiceUnavailable(f"no route: {str(e).splitlines()[-1][:200]}") from None
         pre = self.workers[choice["prefill"]]
         route = {"prefill": choice["prefill"], "decode": choice["decode"]}
         if choice["decode"] is None:

@@ -10,21 +10,23 @@ from actors.routing import PrefixIndex, RouterConfig, pick_decode, prompt_keys, 
 
 @ray.remote(max_restarts=-1, max_task_retries=-1)
 class PrefixRouterActor:
-    def __init__(self, cfg: RouterConfig, stale_after: float = 3.0) -> None:
+    def __init__(self, cfg: RouterConfig, stale_after: float = 10.0) -> None:
         self.cfg = cfg
         self.index = PrefixIndex()
         self.loads: dict[str, dict] = {}
         self.roles: dict[str, str] = {}
         self.seen: dict[str, float] = {}
         self.removed: set[str] = set()
+        self.dropped: set[str] = set()
         self.stale_after = stale_after
         self.decisions = 0
 
     def report(self, worker: str, role: str, events: list, load: dict, fresh: bool) -> None:
         if worker in self.removed:
             return
-        if fresh:
+        if fresh or worker in self.dropped:
             self.index.drop_worker(worker)
+            self.dropped.discard(worker)
         self.index.apply(worker, events)
         self.loads[worker], self.roles[worker], self.seen[worker] = load, role, time.monotonic()
 
@@ -33,8 +35,13 @@ class PrefixRouterActor:
 
     def _live(self, roles: tuple[str, ...]) -> dict[str, dict]:
         now = time.monotonic()
+        for w in [w for w in self.roles if now - self.seen[w] >= self.stale_after and w not in self.dropped]:
+            # Silent for too long (dead or hung): what it cached cannot be trusted any more. A restart
+            # reports "fresh" and starts over.
+            self.index.drop_worker(w)
+            self.dropped.add(w)
         return {w: self.loads[w] for w, r in self.roles.items()
-                if r in roles and now - self.seen[w] < self.stale_after and w not in self.removed}
+                if r in roles and w not in self.dropped and w not in self.removed}
 
     def route(self, ids: list[int]) -> dict:
         """{"prefill": worker, "decode": worker or None, "cached_pages": n, "by_tier": {...}}."""
