@@ -7,7 +7,12 @@ PYTEST_ARGS ?=
 
 .PHONY: run test test-fast bench clean
 
+# Mooncake's binaries link against these; installed when missing and we may (root with apt).
+APT_PKGS := libibverbs1 ibverbs-providers libnl-3-200 libnl-route-3-200 libnuma1
+
 $(STAMP): pyproject.toml
+	@if ! dpkg -s $(APT_PKGS) >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PKGS) >/dev/null; fi
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.

@@ -5,7 +5,7 @@ import time
 
 import ray
 
-from actors.routing import PrefixIndex, RouterConfig, pick_decode, prompt_keys, route
+from actors.routing import L3_WORKER, PrefixIndex, RouterConfig, pick_decode, prompt_keys, route
 
 
 @ray.remote(max_restarts=-1, max_task_retries=-1)
@@ -27,7 +27,10 @@ class PrefixRouterActor:
         if fresh or worker in self.dropped:
             self.index.drop_worker(worker)
             self.dropped.discard(worker)
-        self.index.apply(worker, events)
+        # L3 is shared: a worker's L3 writes tell everyone the store has those pages. Its "removed L3"
+        # events only mean it forgot the node, not that the store dropped the pages, so they are skipped.
+        self.index.apply(worker, [e for e in events if e.tier != "L3"])
+        self.index.apply(L3_WORKER, [e for e in events if e.tier == "L3" and e.kind == "stored"])
         self.loads[worker], self.roles[worker], self.seen[worker] = load, role, time.monotonic()
 
     def report_l3(self, events: list) -> None:

@@ -113,22 +113,25 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    # Other processes on a small box stall multi-threaded copies badly; the load average tells the reader.
+    load_before = os.getloadavg()[0]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, L={LAYERS} H={HEADS} D={HEAD_DIM} "
-          f"{str(DTYPE)[6:]}, {args.pages} scattered pages, best of {args.reps}")
+          f"{str(DTYPE)[6:]}, {args.pages} scattered pages, best of {args.reps}, load avg {load_before:.2f}")
     print(_header(args.methods))
     rows = run(args.pages, args.reps, args.methods, tuple(args.page_sizes), tuple(args.layouts))
     hits = [r for r in rows if all(r[k] == TARGET[k] for k in ("layout", "page_size", "layers"))]
+    load_after = os.getloadavg()[0]
     met = bool(hits) and all(r["ratio"] >= TARGET["min_ratio"] for r in hits)
     print(f"target: {TARGET['layout']} ps={TARGET['page_size']} all layers >= {TARGET['min_ratio']} of memcpy: "
           + (", ".join(f"{r['op']} {r['ratio']:.2f}" for r in hits) or "not measured")
-          + (" -> met" if met else " -> MISSED" if hits else ""))
+          + (" -> met" if met else " -> MISSED" if hits else "") + f" (load avg now {load_after:.2f})")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(dict(
         config=dict(layers=LAYERS, heads=HEADS, head_dim=HEAD_DIM, dtype=str(DTYPE), pages=args.pages,
                     reps=args.reps, page_sizes=args.page_sizes, layouts=args.layouts,
                     run_bytes_min=RUN_BYTES_MIN),
         machine=dict(platform=platform.platform(), cpus=os.cpu_count(), torch=torch.__version__,
-                     threads=torch.get_num_threads()),
+                     threads=torch.get_num_threads(), loadavg_1min=[load_before, load_after]),
         target=dict(TARGET, met=met), rows=rows), indent=1) + "\n")
     print(f"wrote {RESULTS}")
 

@@ -12,6 +12,7 @@ import yaml
 from actors.routing import RouterConfig
 from engine.config import EngineConfig
 from storage.config import HiCacheConfig
+from storage.l3.config import L3Config, MooncakeConfig, NixlConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"
@@ -94,7 +95,8 @@ def _build(cls, data: Any, path: str):
         raise ValueError(f"{path}: {e}") from None
 
 
-_NESTED = {(ClusterConfig, "engine"): EngineConfig, (ClusterConfig, "workers"): WorkersConfig,
+_NESTED = {(HiCacheConfig, "l3"): L3Config, (L3Config, "mooncake"): MooncakeConfig,
+           (L3Config, "nixl"): NixlConfig, (ClusterConfig, "engine"): EngineConfig, (ClusterConfig, "workers"): WorkersConfig,
            (ClusterConfig, "router"): RouterConfig, (ClusterConfig, "server"): ServerConfig,
            (ClusterConfig, "ray"): RayConfig, (EngineConfig, "hicache"): HiCacheConfig}
 

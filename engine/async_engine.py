@@ -52,10 +52,17 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stop:
             busy = self.engine.has_unfinished()
+            cache = self.engine.cache
+            copying = cache is not None and cache.copier is not None and cache.copier.num_pending > 0
             try:
-                cmd = self._cmds.get(timeout=None if not busy else 0) if not busy else self._cmds.get_nowait()
+                if busy:
+                    cmd = self._cmds.get_nowait()
+                else:  # idle: still apply finished background copies (L2 backups, L3 writes) promptly
+                    cmd = self._cmds.get(timeout=0.01 if copying else None)
             except queue.Empty:
                 cmd = None
+            if copying and not busy:
+                cache.poll()
             if cmd is not None:
                 cmd()
                 while True:  # drain the rest before stepping

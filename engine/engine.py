@@ -74,7 +74,7 @@ class Engine:
         self.cache: HiCache | None = None
         self.hooks: PrefixCacheHooks | None = None
         if cfg.enable_prefix_cache:
-            self.cache = HiCache(self.pools, window, cfg.hicache)
+            self.cache = HiCache(self.pools, window, cfg.hicache, model_id=self.model_id())
             self.hooks = PrefixCacheHooks(self.cache, self.pools, lambda: self._now)
         self.scheduler = Scheduler(cfg.page_size, self.pools.full.allocator,
                                    self.pools.swa.allocator if window is not None else None, window,
@@ -88,6 +88,13 @@ class Engine:
         self.eos_ids = frozenset(mc.eos_token_id)
         self.max_context = mc.max_position_embeddings
         self.counters = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
+
+    def model_id(self) -> str:
+        """Everything that changes a KV page's bytes, for keys shared across workers (L3)."""
+        mc, cfg = self.model_config, self.cfg
+        layout = cfg.hicache.layout if cfg.hicache is not None else "-"
+        return (f"{self.model_path.name}/L{mc.num_hidden_layers}h{mc.hidden_size}kv{mc.num_key_value_heads}"
+                f"d{mc.head_dim}/{cfg.dtype}/p{cfg.page_size}/{layout}")
 
     @classmethod
     def from_pretrained(cls, model: str = "strata-tiny", **kwargs) -> "Engine":

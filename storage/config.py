@@ -51,6 +51,7 @@ class HiCacheConfig:
     write_through_threshold: int = 2
     layout: str = "page_first_direct"
     load_back_threshold_pages: int = 1   # L2 hits shorter than this are recomputed, not loaded
+    l3: "L3Config | None" = None         # the shared store below L2 (storage/l3); None: no L3
 
     def __post_init__(self) -> None:
         if isinstance(self.host_pages, bool) or not isinstance(self.host_pages, int) or self.host_pages < 1:
@@ -65,6 +66,9 @@ class HiCacheConfig:
             raise ValueError(f"layout must be one of {L2_LAYOUTS}, got {self.layout!r}")
         if not isinstance(self.load_back_threshold_pages, int) or self.load_back_threshold_pages < 1:
             raise ValueError("load_back_threshold_pages must be an int >= 1")
+        from storage.l3.config import L3Config
+        if self.l3 is not None and not isinstance(self.l3, L3Config):
+            raise ValueError("l3 must be an L3Config or None")
 
     @property
     def host_swa_pages(self) -> int:

@@ -14,7 +14,9 @@ request that hit them runs.
 """
 from __future__ import annotations
 
+import atexit
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -50,7 +52,7 @@ def window_pages(window_tokens: Optional[int], page_size: int) -> int:
 
 class HiCache:
     def __init__(self, pools: KVPools, window_tokens: Optional[int], cfg: Optional[HiCacheConfig] = None,
-                 seed=DEFAULT_SEED) -> None:
+                 seed=DEFAULT_SEED, model_id: str = "model") -> None:
         self.pools = pools
         self.cfg = cfg
         self.page_size = pools.cfg.page_size
@@ -61,6 +63,14 @@ class HiCache:
         self.copier = Copier() if cfg is not None else None
         self._loading: dict[int, LayerFuture] = {}      # node id -> its load into L1, until polled
         self._backing_up: dict[tuple[int, str], list[int]] = {}  # (node id, component) -> L2 pages
+        self.l3 = None
+        if cfg is not None and cfg.l3 is not None:
+            from storage.hicache_l3 import L3Tier
+            self.l3 = L3Tier(self, model_id)
+        if self.copier is not None:
+            # Finish background copies before interpreter teardown stops the store's I/O threads.
+            ref = weakref.ref(self)
+            atexit.register(lambda: ref() is not None and ref().close())
         self.stats = {"hit_tokens": {"L1": 0, "L2": 0, "L3": 0}, "lookup_tokens": 0,
                       "bytes": {"L1->L2": 0, "L2->L1": 0}, "pages": {"L1->L2": 0, "L2->L1": 0},
                       "evicted_pages": {"L1": 0, "L2": 0}, "hits_given_up": 0}
@@ -78,13 +88,15 @@ class HiCache:
         self.stats["lookup_tokens"] += n * ps
         if n <= 0:
             return PrefixHit()
-        res = self.tree.match_prefix(self.tree.page_keys(list(tokens[:n * ps])), now=now)
+        keys = self.tree.page_keys(list(tokens[:n * ps]))
+        res = self.tree.match_prefix(keys, now=now)
         if res.num_pages == 0:
-            return PrefixHit()
+            return self.l3.extend(PrefixHit(), keys, n, now) if self.l3 is not None else PrefixHit()
         hit = PrefixHit(node=res.node, num_pages=res.num_pages)
         self._lock(hit)
         from_l2 = res.full_l2
-        if from_l2 and (self.host is None or from_l2 < self.cfg.load_back_threshold_pages) or res.full_l3:
+        if (from_l2 and (self.host is None or from_l2 < self.cfg.load_back_threshold_pages)) or res.full_l3 \
+                or res.swa_l3:
             # L3 hits are fetched by the L3 prefetcher (not here); short L2 runs are cheaper to recompute.
             return self._give_up(hit)
         if not self._load_back(res.nodes, hit):
@@ -99,6 +111,8 @@ class HiCache:
                 swa = nd.l1[SWA]
                 hit.swa_pages.append(swa[i] if self.has_swa and swa is not None and page >= lo else None)
         hit.tokens_by_tier = {"L1": res.full_l1 * ps, "L2": from_l2 * ps, "L3": 0}
+        if self.l3 is not None:
+            hit = self.l3.extend(hit, keys, n, now)
         for t, v in hit.tokens_by_tier.items():
             self.stats["hit_tokens"][t] += v
         if self.cfg is not None and self.cfg.write_policy == "write_through_selective":
@@ -162,6 +176,12 @@ class HiCache:
         if tier == L1:
             self._backup_component(node, component, sync=True)
 
+    def _free_l1(self, full: list[int], swa: list[int]) -> None:
+        if full:
+            self.pools.full.allocator.free(full)
+        if swa:
+            self.pools.swa.allocator.free(swa)
+
     def _free(self, freed: Freed) -> None:
         for (c, t), pages in freed.items():
             if not pages:
@@ -196,6 +216,8 @@ class HiCache:
         if sync:
             kernels.l1_to_l2(l1, host.data, host.layout, src, dst, check=False)
             self.tree.set_l2(node, c, dst)
+            if self.l3 is not None:
+                self.l3.write(node, c)
             return True
         locks = (FULL, SWA) if c == SWA else (FULL,)
         for lc in locks:
@@ -212,11 +234,14 @@ class HiCache:
             for lc in reversed(locks):
                 self.tree.unlock(node, lc)
             x, unused = node, list(dst)
-            while fut.error is None and x is not None and not x.removed and x.depth >= first:
+            while fut.error is None and x is not None and x.parent is not None and not x.removed \
+                    and x.depth >= first:
                 part = dst[x.depth - first:x.end - first]
                 if x.l2[c] is None and x.l1[c] is not None:
                     self.tree.set_l2(x, c, part)
                     unused = [p for p in unused if p not in set(part)]
+                    if self.l3 is not None:
+                        self.l3.write(x, c)
                 x = x.parent
             host.allocator.free(unused)
 
@@ -307,8 +332,13 @@ class HiCache:
         self._free(self.tree.flush())
 
     def close(self) -> None:
+        """Finish background copies and release the L3 store (idempotent)."""
         if self.copier is not None:
             self.copier.close()
+            self.copier = None
+        if self.l3 is not None:
+            self.l3.close()
+            self.l3 = None
 
     def owners(self) -> dict[str, list[int]]:
         return {c: self.tree.all_pages(c, L1) for c in COMPONENTS}

@@ -15,10 +15,12 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="package")
-def cluster():
+def cluster(tmp_path_factory):
     import ray
     cfg = load_config("cluster/configs/pd-2p1d.yaml")
-    cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, port=_free_port()))
+    l3 = dataclasses.replace(cfg.engine.hicache.l3, path=str(tmp_path_factory.mktemp("l3")))
+    engine = dataclasses.replace(cfg.engine, hicache=dataclasses.replace(cfg.engine.hicache, l3=l3))
+    cfg = dataclasses.replace(cfg, engine=engine, server=dataclasses.replace(cfg.server, port=_free_port()))
     launch.init_ray(cfg)
     handles = launch.deploy(cfg)
     yield handles

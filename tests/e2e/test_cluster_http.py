@@ -72,6 +72,25 @@ def test_second_turn_goes_back_to_the_prefill_worker_holding_the_first(cluster):
     assert r2["meta_info"]["cached_tokens"] >= 16 * (len(hist) // 16) - 16
 
 
+def test_once_the_first_prefill_worker_is_gone_the_other_serves_turn_two_from_l3(cluster):
+    url, router = cluster["url"], cluster["router"]
+    hist = [(i * 13) % 251 for i in range(500)]
+    r1 = httpx.post(f"{url}/generate", json={"input_ids": hist, "sampling_params": {"max_new_tokens": 8,
+                                                                                    "temperature": 0}}, timeout=60).json()
+    p1 = r1["meta_info"]["route"]["prefill"]
+    time.sleep(1.0)  # write-through L2 -> L3 runs in the background; events reach the router
+    ray.get(router.remove_worker.remote(p1))
+    try:
+        turn2 = hist + r1["output_ids"] + [3] * 40
+        r2 = httpx.post(f"{url}/generate", json={"input_ids": turn2, "sampling_params": {
+            "max_new_tokens": 8, "temperature": 0}}, timeout=60).json()
+        assert r2["meta_info"]["route"]["prefill"] != p1
+        assert r2["meta_info"]["cached_tokens_by_tier"]["L3"] > 0
+        assert r2["meta_info"]["cached_tokens"] >= 16 * (len(hist) // 16) - 32
+    finally:
+        ray.get(router.restore_worker.remote(p1))
+
+
 @pytest.mark.parametrize("body, code", [
     ({"input_ids": [1, 2, 999]}, 400),
     ({"input_ids": []}, 400),

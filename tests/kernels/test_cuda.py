@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from kernels.cuda import loader
+from tests.kernels.conftest import assert_same, index_sets, make_pools, naive_copy, seed_of, src_dst_sizes
 
-pytestmark = pytest.mark.skipif(loader.nvcc_path() is None, reason="nvcc not found")
+needs_nvcc = pytest.mark.skipif(loader.nvcc_path() is None, reason="nvcc not found")
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +25,7 @@ def built(tmp_path_factory):
         yield path
 
 
+@needs_nvcc
 def test_ptx_uses_no_allocate_vector_copies():
     ptx = loader.ptx(arch="80")
     assert "ld.global.L1::no_allocate" in ptx
@@ -33,6 +35,7 @@ def test_ptx_uses_no_allocate_vector_copies():
     assert re.search(r"st\.global\.L1::no_allocate\.v4\.u32", ptx)
 
 
+@needs_nvcc
 def test_build_is_cached_by_source_hash(built, monkeypatch):
     monkeypatch.setenv("STRATA_HOME", str(built.parent.parent))
     assert built.exists() and built.parent == loader.cache_dir()
@@ -41,6 +44,7 @@ def test_build_is_cached_by_source_hash(built, monkeypatch):
     assert built.stat().st_mtime_ns == mtime
 
 
+@needs_nvcc
 def test_library_abi(built):
     lib = loader.load(built)
     assert lib.strata_hicache_abi_version() == loader.ABI_VERSION
@@ -81,9 +85,6 @@ class _HostEmulation:
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_loader_marshalling_matches_oracle(monkeypatch, direction, layout, dtype):
-    from kernels.ref import plan
-    from tests.kernels.conftest import (assert_same, index_sets, make_pools, naive_copy, seed_of,
-                                        src_dst_sizes)
     monkeypatch.setattr(loader, "library", lambda: _HostEmulation())
     seed = seed_of("abi", direction, layout, dtype)
     l1, l2 = make_pools(layout, dtype, 16, seed)
@@ -92,6 +93,6 @@ def test_loader_marshalling_matches_oracle(monkeypatch, direction, layout, dtype
             want = (l1.clone(), l2.clone())
             naive_copy(*want, layout, direction, src, dst, layer)
             got = (l1.clone(), l2.clone())
-            loader.copy_pages(plan(*got, layout, direction, layer), torch.tensor(src, dtype=torch.int64),
-                              torch.tensor(dst, dtype=torch.int64))
+            op = loader.cuda_l1_to_l2 if direction == "l1_to_l2" else loader.cuda_l2_to_l1
+            op(*got, layout, torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64), layer)
             assert_same(got, want, f"ABI emulation layer={layer} n={len(src)}")

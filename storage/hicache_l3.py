@@ -1,0 +1,152 @@
+"""The L3 side of the tier controller: write-through of L2 pages to the shared store, and extending a
+prefix match with pages other workers (or an earlier life of this one) left in L3.
+
+Pages are keyed ``l3_key(model_id, component, page_key)``; the SWA component stores only each sequence's
+last window, like L2. Reads are verified by the store (a failed read is a miss: the match just stops
+short, never wrong tokens).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import kernels
+from storage.copier import Job, LayerFuture
+from storage.l3 import l3_key, make_store
+from storage.pools import FULL, SWA
+from storage.radix_node import L1, Node
+
+if TYPE_CHECKING:
+    from storage.hicache import HiCache, PrefixHit
+
+
+class L3Tier:
+    def __init__(self, cache: "HiCache", model_id: str) -> None:
+        self.cache = cache
+        self.store = make_store(cache.cfg.l3)
+        self.model_id = model_id
+        self.stats = {"written_pages": 0, "write_failures": 0, "hit_pages": 0, "read_failures": 0}
+
+    def keys(self, page_keys, component: str) -> list[str]:
+        return [l3_key(self.model_id, component, k) for k in page_keys]
+
+    # ---- L2 -> L3 ----------------------------------------------------------------------------------
+    def write(self, node: Node, c: str) -> None:
+        """Copy a node's L2 pages of ``c`` to L3 in the background (node pinned meanwhile)."""
+        tree, host = self.cache.tree, self.cache.host.pool(c)
+        if node.removed or node.l2[c] is None or node.l3[c]:
+            return
+        locks = (FULL, SWA) if c == SWA else (FULL,)
+        for lc in locks:
+            tree.lock(node, lc)
+        keys = self.keys(node.keys, c)
+        pages = [host.page(p) for p in node.l2[c]]
+        first = node.depth
+        result: list[bool] = []
+
+        def run(fut: LayerFuture) -> None:
+            result.extend(self.store.batch_set(keys, pages))
+
+        def done() -> None:
+            for lc in reversed(locks):
+                tree.unlock(node, lc)
+            ok = len(result) == len(keys) and all(result)
+            self.stats["written_pages" if ok else "write_failures"] += len(keys)
+            x = node  # a match may have split the node: mark every piece of the written range
+            while ok and x is not None and x.parent is not None and not x.removed and x.depth >= first:
+                if not x.l3[c]:
+                    self.cache._free(tree.set_l3(x, c, True))
+                x = x.parent
+
+        self.cache.copier.submit(Job(run, LayerFuture({}), done, tag=f"l3 write {c}"))
+
+    # ---- L3 -> L1 (through L2) ----------------------------------------------------------------------
+    def extend(self, hit: "PrefixHit", page_keys: list[bytes], max_pages: int, now: float) -> "PrefixHit":
+        """Grow ``hit`` with the pages after it that L3 holds (and whose SWA window L3 holds too)."""
+        cache, tree = self.cache, self.cache.tree
+        m0 = hit.num_pages
+        if m0 >= max_pages:
+            return hit
+        n3 = self.store.batch_exists(self.keys(page_keys[m0:max_pages], FULL))
+        if n3 <= 0:
+            return hit
+        m = m0 + n3
+        wp = tree.window_pages if cache.has_swa else 0
+        swa_lo = max(0, m - wp)
+        if wp and self.store.batch_exists(self.keys(page_keys[swa_lo:m], SWA)) < m - swa_lo:
+            return hit  # without the window the extension is unusable
+        full_host = cache.host.pool(FULL)
+        swa_host = cache.host.pool(SWA)
+        n_swa = m - swa_lo if wp else 0
+        if not (cache._host_room(FULL, m - m0) and (not n_swa or cache._host_room(SWA, n_swa))):
+            return hit
+        h_full = full_host.allocator.alloc(m - m0)
+        h_swa = swa_host.allocator.alloc(n_swa) if n_swa else []
+        ok = self._read(full_host, self.keys(page_keys[m0:m], FULL), h_full)
+        ok = ok and (not n_swa or self._read(swa_host, self.keys(page_keys[swa_lo:m], SWA), h_swa))
+        l1_ok = ok and cache._l1_room(FULL, m - m0) and (not n_swa or cache._l1_room(SWA, n_swa))
+        if not l1_ok:
+            self.stats["read_failures"] += int(not ok)
+            full_host.allocator.free(h_full)
+            swa_host.allocator.free(h_swa)
+            return hit
+        l1_full = cache.pools.full.allocator.alloc(m - m0)
+        l1_swa = cache.pools.swa.allocator.alloc(n_swa) if n_swa else []
+        kernels.l2_to_l1(cache.pools.full.flat(), full_host.data, full_host.layout, h_full, l1_full, check=False)
+        if n_swa:
+            kernels.l2_to_l1(cache.pools.swa.flat(), swa_host.data, swa_host.layout, h_swa, l1_swa, check=False)
+        # Pages before m0 keep the tree's own L1 pages (never reported as duplicates); SWA pages the tree
+        # does not hold in L1 below m0 are simply not offered.
+        swa_all: list[Optional[int]] = list(hit.swa_pages) + [None] * (m - m0)
+        for i in range(swa_lo, m):
+            if i >= m0:
+                swa_all[i] = l1_swa[i - swa_lo]
+            elif swa_all[i] is None:
+                swa_all[i] = l1_swa[i - swa_lo]  # the tree lacked it in L1: adopt the L3 copy
+        used_swa = {swa_all[i] for i in range(swa_lo, m)}
+        spare_swa = [p for p in l1_swa if p not in used_swa]
+        res = tree.insert(page_keys[:m], hit.full_pages + l1_full, swa_all, now=now)
+        cache._free_l1(res.free_full, res.free_swa + spare_swa)
+        # Record the L2 copies (the host pages just read) and the L3 flag on the new nodes.
+        x = res.node
+        while x is not None and x.parent is not None and x.depth >= m0:
+            tree.set_l2(x, FULL, h_full[x.depth - m0:x.end - m0])
+            cache._free(tree.set_l3(x, FULL, True))
+            x = x.parent
+        x = res.node
+        while n_swa and x is not None and x.parent is not None and x.end > swa_lo:
+            if x.depth >= swa_lo and x.l2[SWA] is None and x.l1[SWA] is not None:
+                tree.set_l2(x, SWA, h_swa[x.depth - swa_lo:x.end - swa_lo])
+                h_swa = h_swa[:x.depth - swa_lo] + [None] * (x.end - x.depth) + h_swa[x.end - swa_lo:]
+                cache._free(tree.set_l3(x, SWA, True))
+            x = x.parent
+        swa_host.allocator.free([p for p in h_swa if p is not None])
+        self.stats["hit_pages"] += m - m0
+        cache.release(hit)
+        new = type(hit)(node=res.node, num_pages=m)
+        cache._lock(new)
+        new.waits = hit.waits
+        new.full_pages = [p for nd in res.node.path() for p in nd.l1[FULL]]
+        new.swa_pages = [None] * m
+        for nd in res.node.path():
+            if nd.l1[SWA] is not None:
+                for i in range(nd.num_pages):
+                    if nd.depth + i >= swa_lo:
+                        new.swa_pages[nd.depth + i] = nd.l1[SWA][i]
+        ps = cache.page_size
+        new.tokens_by_tier = {**hit.tokens_by_tier, "L3": (m - m0) * ps}
+        return new
+
+    def _read(self, host, keys: list[str], pages: list[int]) -> bool:
+        """batch_get into host pages; every page or nothing (a partial read is a miss)."""
+        direct = host.layout != kernels.LAYER_FIRST
+        bufs = [host.page(p) for p in pages]   # views for page-major layouts, copies for layer_first
+        ok = self.store.batch_get(keys, bufs)
+        if not all(ok):
+            return False
+        if not direct:
+            for p, b in zip(pages, bufs):
+                host.set_page(p, b)
+        return True
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,158 @@
+"""Configuration of the L3 tier: which store backs it and how to reach it.
+
+One ``L3Config`` per worker (or per storage actor). Only the section of the chosen backend is read, but
+every section is validated, so a typo in an unused section still fails at load time rather than on the
+day someone switches backend. Nested sections may be given as dicts (the YAML loader's shape).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+
+BACKENDS = ("file", "mooncake", "nixl")
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+NIXL_MODES = ("posix", "ucx")
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def _int(obj, name: str, lo: int) -> None:
+    v = getattr(obj, name)
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{type(obj).__name__}.{name} must be an int >= {lo}, got {v!r}")
+
+
+def _pos(obj, name: str) -> None:
+    v = getattr(obj, name)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        raise ValueError(f"{type(obj).__name__}.{name} must be a positive number, got {v!r}")
+
+
+def _str(obj, name: str, allow_empty: bool = False) -> None:
+    v = getattr(obj, name)
+    if not isinstance(v, str) or (not v and not allow_empty):
+        raise ValueError(f"{type(obj).__name__}.{name} must be a {'' if allow_empty else 'non-empty '}str, "
+                         f"got {v!r}")
+
+
+def _host_port(obj, name: str) -> None:
+    v = getattr(obj, name)
+    host, sep, port = v.rpartition(":") if isinstance(v, str) else ("", "", "")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{type(obj).__name__}.{name} must be 'host:port', got {v!r}")
+
+
+def _section(obj, name: str, cls) -> None:
+    """Accept a dict for a nested section (YAML) and turn it into the frozen dataclass."""
+    v = getattr(obj, name)
+    if isinstance(v, dict):
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(v) - known)
+        if unknown:
+            raise ValueError(f"{type(obj).__name__}.{name}: unknown field(s) {unknown}")
+        v = cls(**v)
+        object.__setattr__(obj, name, v)
+    if not isinstance(v, cls):
+        raise ValueError(f"{type(obj).__name__}.{name} must be a {cls.__name__} or dict, got {type(v).__name__}")
+
+
+@dataclass(frozen=True)
+class MooncakeConfig:
+    """A Mooncake store client. ``metadata_server`` is ``P2PHANDSHAKE`` (peers exchange transfer-engine
+    metadata directly, no extra service) or the URL of an HTTP metadata server such as the one
+    ``mooncake_master --enable_http_metadata_server`` embeds. ``segment_bytes`` is the memory this client
+    contributes to the cluster-wide pool (0: the L3 ``capacity_bytes``)."""
+
+    master_addr: str = "127.0.0.1:50051"
+    metadata_server: str = "P2PHANDSHAKE"
+    local_hostname: str = "127.0.0.1"
+    protocol: str = "tcp"
+    rdma_devices: str = ""
+    segment_bytes: int = 0
+    local_buffer_bytes: int = 16 * MiB
+    replicas: int = 1
+    op_timeout_s: float = 5.0       # a batch call that takes longer is a miss / a failed set
+    retry_after_s: float = 2.0      # after a timeout or an RPC failure, skip calls for this long
+    setup_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _host_port(self, "master_addr")
+        _str(self, "metadata_server")
+        _str(self, "local_hostname")
+        if self.protocol not in MOONCAKE_PROTOCOLS:
+            raise ValueError(f"MooncakeConfig.protocol must be one of {MOONCAKE_PROTOCOLS}, got {self.protocol!r}")
+        _str(self, "rdma_devices", allow_empty=True)
+        _int(self, "segment_bytes", 0)
+        _int(self, "local_buffer_bytes", 1 * MiB)
+        _int(self, "replicas", 1)
+        for name in ("op_timeout_s", "retry_after_s", "setup_timeout_s"):
+            _pos(self, name)
+
+
+@dataclass(frozen=True)
+class NixlConfig:
+    """A NIXL agent. ``posix``: pages move between registered host memory and files (the L3 ``path``)
+    with the POSIX backend, whose plugin gets ``backend_params`` verbatim (e.g. ``{"use_uring": "true"}``).
+    ``ucx``: pages move by one-sided UCX READ/WRITE into the memory of a slab server process at
+    ``remote_addr`` (``python -m storage.l3.nixl_ucx``), which shares ``authkey`` with its clients."""
+
+    mode: str = "posix"
+    agent_name: str = ""            # "" -> unique per process
+    backend_params: tuple[tuple[str, str], ...] = ()
+    remote_addr: str = ""
+    authkey: str = "strata-l3"
+    op_timeout_s: float = 10.0
+    retry_after_s: float = 2.0      # ucx: after a timeout or a lost server, skip calls for this long
+
+    def __post_init__(self) -> None:
+        if self.mode not in NIXL_MODES:
+            raise ValueError(f"NixlConfig.mode must be one of {NIXL_MODES}, got {self.mode!r}")
+        _str(self, "agent_name", allow_empty=True)
+        params = self.backend_params
+        if isinstance(params, dict):
+            params = tuple(sorted(params.items()))
+            object.__setattr__(self, "backend_params", params)
+        if not all(isinstance(p, tuple) and len(p) == 2 and all(isinstance(s, str) for s in p) for p in params):
+            raise ValueError(f"NixlConfig.backend_params must map str to str, got {self.backend_params!r}")
+        if self.mode == "ucx":
+            _host_port(self, "remote_addr")
+        _str(self, "authkey")
+        _pos(self, "op_timeout_s")
+        _pos(self, "retry_after_s")
+
+
+@dataclass(frozen=True)
+class L3Config:
+    """The L3 store. ``path`` is the directory of the ``file`` and ``nixl`` backends ("" -> ``l3`` under
+    ``$STRATA_HOME`` or ``~/.cache/strata``). ``capacity_bytes`` caps what the store keeps: the file
+    backends evict least-recently-used pages past it, Mooncake sizes this client's segment by it."""
+
+    backend: str = "file"
+    path: str = ""
+    capacity_bytes: int = 16 * GiB
+    max_page_bytes: int = 256 * MiB   # a bigger "page" is a caller bug, not a KV page
+    io_threads: int = 0               # parallel file reads/writes of a batch; 0 -> min(4, CPUs)
+    fsync: bool = False               # a cache: a page lost to a crash is a miss, the checksum catches torn ones
+    rescan_interval_s: float = 10.0   # how stale a file store's view of other processes' writes may get
+    mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
+    nixl: NixlConfig = field(default_factory=NixlConfig)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"L3Config.backend must be one of {BACKENDS}, got {self.backend!r}")
+        _str(self, "path", allow_empty=True)
+        _int(self, "capacity_bytes", 1)
+        _int(self, "max_page_bytes", 1)
+        _int(self, "io_threads", 0)
+        if not isinstance(self.fsync, bool):
+            raise ValueError(f"L3Config.fsync must be a bool, got {self.fsync!r}")
+        _pos(self, "rescan_interval_s")
+        _section(self, "mooncake", MooncakeConfig)
+        _section(self, "nixl", NixlConfig)
+
+    def resolved_path(self) -> str:
+        if self.path:
+            return os.path.abspath(os.path.expanduser(self.path))
+        home = os.environ.get("STRATA_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "strata")
+        return os.path.join(home, "l3")

@@ -1,0 +1,340 @@
+"""The embedded L3 store: one file per page under a directory, shared by the processes of one machine.
+
+Layout: ``<path>/v1/<2 hex>/<30 hex>``, the name being the key's digest (so any key maps to a safe file
+name, and 256 fan-out directories keep each one small). A file is the page header then the page bytes.
+
+Why it is safe to share:
+
+* writers write a private temp file next to the target and ``os.replace`` it in: a published file is
+  never modified again, so a reader that opened it reads one complete version whatever other writers of
+  the same key do (the last replace wins, both versions being complete);
+* an evicted or deleted file that a reader has open stays readable until closed (POSIX unlink);
+* anything else (a crash mid-write with ``fsync`` off, a disk flipping bits) fails the checksum: a miss.
+
+Capacity: an LRU over files by last access. Hits bump the file's mtime, so the order survives restarts
+and is shared: each process keeps an in-memory index (rebuilt from the directory on start and on every
+eviction pass, which also runs every ``rescan_interval_s`` of writes) and evicts under an flock. With
+several writers the cap can be overshot by what the others wrote since the last rescan.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import itertools
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from storage.l3.base import HEADER_BYTES, L3Store, encode_header, key_digest, log, page_bytes
+
+LOW_WATER = 0.9            # an eviction pass frees down to this fraction of the cap (amortizes the scan)
+STALE_TEMP_S = 3600.0      # a temp file this old belongs to a crashed writer
+_seq = itertools.count()   # unique temp names across the threads of one process
+
+
+class FileStore(L3Store):
+    backend = "file"
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.root = cfg.resolved_path()
+        self._objdir = os.path.join(self.root, "v1")
+        os.makedirs(self._objdir, exist_ok=True)
+        self._lock = threading.Lock()              # the index
+        self._evict_lock = threading.Lock()        # flock does not exclude threads sharing one fd
+        self._lockfd = os.open(os.path.join(self.root, ".evict.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self._index: OrderedDict[str, int] = OrderedDict()   # name -> bytes, least recently used first
+        self._used = 0
+        self._scanned_at = 0.0
+        threads = cfg.io_threads or min(4, os.cpu_count() or 1)   # more threads than cores only add GIL churn
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="l3-file") if threads > 1 else None
+        self._rescan()
+
+    # ---- names ---------------------------------------------------------------------------------------
+    def _path(self, name: str) -> str:
+        return os.path.join(self._objdir, name[:2], name[2:])
+
+    def _map(self, fn, idx: list[int]) -> list:
+        if self._pool is None or len(idx) < 2:
+            return [fn(i) for i in idx]
+        return list(self._pool.map(fn, idx))
+
+    # ---- raw I/O (the NIXL store replaces these two) ---------------------------------------------------
+    def _io_read(self, fds: list, headers: np.ndarray, pages: list[torch.Tensor], idx: list[int]) -> list[bool]:
+        return self._map(lambda i: _io(os.preadv, fds[i], headers[i], pages[i]), idx)
+
+    def _io_write(self, fds: list, headers: np.ndarray, pages: list[torch.Tensor], idx: list[int]) -> list[bool]:
+        return self._map(lambda i: _io(os.pwritev, fds[i], headers[i], pages[i]), idx)
+
+    # ---- contract ------------------------------------------------------------------------------------
+    def _exists(self, keys: list[str]) -> int:
+        for n, k in enumerate(keys):
+            if not os.path.exists(self._path(key_digest(k).hex())):
+                return n
+        return len(keys)
+
+    def _get(self, keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
+        n, want = len(keys), HEADER_BYTES + pages[0].nbytes
+        digests = [key_digest(k) for k in keys]
+        names = [d.hex() for d in digests]
+        fds: list = [None] * n
+        ok = [False] * n
+        try:
+            for i, name in enumerate(names):
+                try:
+                    fd = os.open(self._path(name), os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    continue
+                except OSError as e:   # unreadable: that page is a miss, the others are still served
+                    log.warning("l3 file: %s", e)
+                    self._count(errors=1)
+                    continue
+                fds[i] = fd
+                if os.fstat(fd).st_size != want:   # truncated, or not a page of this geometry
+                    self._count(corrupt=1)
+                    self._drop(name, fd)
+                    os.close(fd)
+                    fds[i] = None
+            idx = [i for i in range(n) if fds[i] is not None]
+            headers = np.zeros((n, HEADER_BYTES), np.uint8)
+            for i, done in zip(idx, self._io_read(fds, headers, pages, idx) if idx else []):
+                if not done:
+                    self._count(errors=1)
+                elif self._verify(headers[i], digests[i], pages[i]):
+                    ok[i] = True
+                    _touch(fds[i])
+                else:
+                    self._drop(names[i], fds[i])
+        finally:
+            for fd in fds:
+                if fd is not None:
+                    os.close(fd)
+        with self._lock:
+            for i in range(n):
+                if ok[i]:
+                    self._note(names[i], want)
+        return ok
+
+    def _set(self, keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
+        n, size = len(keys), HEADER_BYTES + pages[0].nbytes
+        if size > self.cfg.capacity_bytes:
+            return [False] * n
+        self._make_room(size * len(set(keys)))
+        names = [key_digest(k).hex() for k in keys]
+        headers = np.stack([np.frombuffer(encode_header(bytes.fromhex(nm), p), np.uint8)
+                            for nm, p in zip(names, pages)])
+        fds: list = [None] * n
+        temps: list = [None] * n
+        ok = [False] * n
+        try:
+            for i, name in enumerate(names):
+                try:
+                    temps[i], fds[i] = self._open_temp(name)
+                except OSError as e:   # e.g. out of inodes: that page is not stored
+                    log.warning("l3 file: %s", e)
+                    self._count(errors=1)
+            idx = [i for i in range(n) if fds[i] is not None]
+            for i, done in zip(idx, self._io_write(fds, headers, pages, idx) if idx else []):
+                if done and self.cfg.fsync:
+                    os.fsync(fds[i])
+                os.close(fds[i])
+                fds[i] = None
+                if not done:
+                    continue
+                try:
+                    os.replace(temps[i], self._path(names[i]))
+                except OSError as e:   # e.g. a concurrent clear() removed the temp file
+                    log.warning("l3 file: %s", e)
+                    self._count(errors=1)
+                    continue
+                temps[i] = None
+                ok[i] = True
+        finally:
+            for fd, tmp in zip(fds, temps):
+                if fd is not None:
+                    os.close(fd)
+                if tmp is not None:
+                    _unlink(tmp)
+        with self._lock:
+            for i in range(n):
+                if ok[i]:
+                    self._note(names[i], size)
+        return ok
+
+    def _delete(self, keys: list[str]) -> None:
+        for k in keys:
+            name = key_digest(k).hex()
+            _unlink(self._path(name))
+            with self._lock:
+                self._used -= self._index.pop(name, 0)
+
+    def _clear(self) -> None:
+        with self._evict_lock:
+            fcntl.flock(self._lockfd, fcntl.LOCK_EX)
+            try:
+                for sub in _subdirs(self._objdir):
+                    for e in os.scandir(sub):
+                        _unlink(e.path)
+                with self._lock:
+                    self._index.clear()
+                    self._used = 0
+            finally:
+                fcntl.flock(self._lockfd, fcntl.LOCK_UN)
+
+    def _close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        os.close(self._lockfd)
+
+    def used_bytes(self) -> int:
+        """Bytes of the pages this process knows of (exact after a rescan)."""
+        with self._lock:
+            return self._used
+
+    # ---- LRU -----------------------------------------------------------------------------------------
+    def _note(self, name: str, size: int) -> None:
+        """Record an access (caller holds ``_lock``)."""
+        self._used += size - self._index.get(name, 0)
+        self._index[name] = size
+        self._index.move_to_end(name)
+
+    def _drop(self, name: str, fd: int) -> None:
+        """Remove a corrupt object so the next set rewrites it, unless a writer already replaced it."""
+        path = self._path(name)
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                os.unlink(path)
+        except OSError:
+            pass
+        with self._lock:
+            self._used -= self._index.pop(name, 0)
+
+    def _open_temp(self, name: str):
+        final = self._path(name)
+        tmp = os.path.join(os.path.dirname(final), f".{name[2:]}.{os.getpid()}.{next(_seq)}.tmp")
+        for attempt in range(2):
+            try:
+                return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            except FileNotFoundError:
+                if attempt:
+                    raise
+                os.makedirs(os.path.dirname(final), exist_ok=True)
+        raise AssertionError("unreachable")
+
+    def _make_room(self, incoming: int) -> None:
+        cap = self.cfg.capacity_bytes
+        with self._lock:
+            stale = time.monotonic() - self._scanned_at > self.cfg.rescan_interval_s
+            if self._used + incoming <= cap and not stale:
+                return
+        self._rescan(evict_for=incoming)
+
+    def _rescan(self, evict_for: int | None = None) -> None:
+        """Rebuild the index from the directory (other processes' writes and hits) and, if the cap would
+        be exceeded by ``evict_for`` more bytes, evict least recently used files down to LOW_WATER."""
+        cap = self.cfg.capacity_bytes
+        with self._evict_lock:
+            fcntl.flock(self._lockfd, fcntl.LOCK_EX)
+            try:
+                entries = sorted(self._scan())
+                with self._lock:
+                    self._index = OrderedDict((name, size) for _, name, size, _ in entries)
+                    self._used = sum(size for _, _, size, _ in entries)
+                    self._scanned_at = time.monotonic()
+                if evict_for is None or self._used + evict_for <= cap:
+                    return
+                target = max(0, int(cap * LOW_WATER) - evict_for)
+                evicted = 0
+                for mtime, name, size, path in entries:
+                    if self._used <= target:
+                        break
+                    try:
+                        if os.stat(path).st_mtime_ns == mtime:   # not read or rewritten since the scan
+                            os.unlink(path)
+                            evicted += 1
+                    except OSError:
+                        pass
+                    with self._lock:
+                        self._used -= self._index.pop(name, 0)
+                self._count(evictions=evicted)
+            finally:
+                fcntl.flock(self._lockfd, fcntl.LOCK_UN)
+
+    def _scan(self) -> list[tuple[int, str, int, str]]:
+        out, now = [], time.time()
+        for sub in _subdirs(self._objdir):
+            prefix = os.path.basename(sub)
+            for e in os.scandir(sub):
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if e.name.startswith("."):
+                    if _stale_temp(e.name, st.st_mtime, now):
+                        _unlink(e.path)
+                    continue
+                out.append((st.st_mtime_ns, prefix + e.name, st.st_size, e.path))
+        return out
+
+
+# ---- small OS helpers -------------------------------------------------------------------------------
+def _io(call, fd: int, header: np.ndarray, page: torch.Tensor) -> bool:
+    """Header then page in one preadv/pwritev (looping over short transfers); False on any OS error."""
+    views = [memoryview(header).cast("B"), memoryview(page_bytes(page)).cast("B")]
+    want, off = HEADER_BYTES + page.nbytes, 0
+    try:
+        while views:
+            n = call(fd, views, off)
+            if n <= 0:
+                break
+            off += n
+            while views and n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            if views and n:
+                views[0] = views[0][n:]
+    except OSError as e:
+        log.warning("l3 file: %s", e)
+        return False
+    return off == want
+
+
+def _touch(fd: int) -> None:
+    try:
+        os.utime(fd)            # the LRU clock other processes and the next start see
+    except OSError as e:        # a read-only store still serves hits
+        log.debug("l3 file: cannot touch: %s", e)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except IsADirectoryError:
+        pass
+
+
+def _subdirs(objdir: str) -> list[str]:
+    try:
+        return [e.path for e in os.scandir(objdir) if e.is_dir(follow_symlinks=False) and len(e.name) == 2]
+    except FileNotFoundError:
+        return []
+
+
+def _stale_temp(name: str, mtime: float, now: float) -> bool:
+    """A temp file is garbage when its writer is dead or it is older than any write could take."""
+    parts = name.split(".")
+    try:
+        os.kill(int(parts[2]), 0)
+    except (IndexError, ValueError):
+        return True
+    except OSError as e:
+        if e.errno == errno.ESRCH:
+            return True
+    return now - mtime > STALE_TEMP_S

@@ -1,0 +1,142 @@
+"""The directory stores (file, and nixl which shares its layout): LRU cap, restarts, several processes."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+import torch
+
+from storage.l3 import HEADER_BYTES, make_store
+from tests.l3.conftest import _nixl_or_skip, random_pages, store_config
+
+NUMEL = 1 << 16                      # 128 KiB bf16 pages
+FILE = HEADER_BYTES + 2 * NUMEL      # bytes of one stored page
+TICK = 0.02                          # > the kernel's coarse file-timestamp granularity
+
+
+@pytest.fixture(params=["file", "nixl"])
+def dir_backend(request):
+    if request.param == "nixl":
+        _nixl_or_skip()
+    return request.param
+
+
+def _open(backend, path, **kw):
+    return make_store(store_config(backend, path, **kw))
+
+
+def _present(store, ks) -> list[bool]:
+    return [store.batch_exists([k]) == 1 for k in ks]
+
+
+def _fill(store, ks, pages) -> None:
+    for k, p in zip(ks, pages):          # one by one, TICK apart: distinct access times
+        assert store.batch_set([k], [p]) == [True]
+        time.sleep(TICK)
+
+
+def test_cap_evicts_least_recently_used(dir_backend, tmp_path, keys):
+    s = _open(dir_backend, tmp_path, capacity_bytes=4 * FILE + 100)
+    ks, pages = keys(5), random_pages(5, numel=NUMEL)
+    _fill(s, ks[:4], pages[:4])
+    assert s.batch_get(ks[:1], [torch.empty_like(pages[0])]) == [True]   # A becomes the most recent
+    time.sleep(TICK)
+    assert s.batch_set(ks[4:], pages[4:]) == [True]
+    # Down to LOW_WATER (90%) minus the incoming page: B and C (least recent) go, A survives.
+    assert _present(s, ks) == [True, False, False, True, True]
+    assert s.stats()["evictions"] == 2
+    assert s.used_bytes() == 3 * FILE
+    assert s.batch_set(ks[:1], [torch.zeros(2 * s.cfg.capacity_bytes, dtype=torch.uint8)]) == [False]
+    s.close()
+
+
+def test_lru_order_and_pages_survive_a_restart(dir_backend, tmp_path, keys):
+    ks, pages = keys(5), random_pages(5, numel=NUMEL)
+    s = _open(dir_backend, tmp_path, capacity_bytes=4 * FILE + 100)
+    _fill(s, ks[:4], pages[:4])
+    assert s.batch_get(ks[:1], [torch.empty_like(pages[0])]) == [True]
+    s.close()
+    time.sleep(TICK)
+    s = _open(dir_backend, tmp_path, capacity_bytes=4 * FILE + 100)
+    assert s.used_bytes() == 4 * FILE                                    # rebuilt from the directory
+    out = [torch.empty_like(p) for p in pages[:4]]
+    assert s.batch_get([ks[3]], out[3:]) == [True] and torch.equal(out[3], pages[3])
+    time.sleep(TICK)
+    assert s.batch_set(ks[4:], pages[4:]) == [True]
+    assert _present(s, ks) == [True, False, False, True, True]         # the hit before the restart counts
+    s.close()
+
+
+def test_two_stores_share_one_cap(dir_backend, tmp_path, keys):
+    a = _open(dir_backend, tmp_path, capacity_bytes=4 * FILE + 100, rescan_interval_s=0.05)
+    b = _open(dir_backend, tmp_path, capacity_bytes=4 * FILE + 100, rescan_interval_s=0.05)
+    ks, pages = keys(6), random_pages(6, numel=NUMEL)
+    _fill(a, ks[:2], pages[:2])
+    _fill(b, ks[2:4], pages[2:4])
+    assert b.batch_get(ks[:1], [torch.empty_like(pages[0])]) == [True]   # b's hit on a's page
+    time.sleep(0.1)
+    _fill(a, ks[4:6], pages[4:6])        # a rescans (its view is stale), sees b's pages and b's hit
+    assert sum(_present(a, ks)) * FILE <= a.cfg.capacity_bytes
+    assert _present(a, ks)[0] and _present(a, ks)[5]
+    a.close()
+    b.close()
+
+
+def test_dead_writers_temp_files_are_removed_on_start(tmp_path):
+    sub = tmp_path / "v1" / "ab"
+    sub.mkdir(parents=True)
+    dead = sub / ".cdef.999999999.0.tmp"          # no such pid
+    live = sub / f".cdef.{os.getpid()}.0.tmp"
+    dead.write_bytes(b"x")
+    live.write_bytes(b"x")
+    _open("file", tmp_path).close()
+    assert not dead.exists() and live.exists()
+
+
+# ---- several processes -----------------------------------------------------------------------------------
+def _versions(ks_n: int):
+    return [random_pages(ks_n, numel=NUMEL, seed=s) for s in (11, 22)]
+
+
+def _writer(path, ks, fillers, v, seconds) -> None:
+    torch.set_num_threads(1)
+    s = _open("file", path, capacity_bytes=8 * FILE, rescan_interval_s=0.05)
+    pages, filler = _versions(len(ks))[v], random_pages(1, numel=NUMEL, seed=v)[0]
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        s.batch_set(ks, pages)
+        s.batch_set(fillers, [filler] * len(fillers))     # churn: keeps the cap evicting
+    s.close()
+
+
+def _reader(path, ks, seconds, out) -> None:
+    torch.set_num_threads(1)
+    s = _open("file", path, capacity_bytes=8 * FILE, rescan_interval_s=0.05)
+    versions = _versions(len(ks))
+    bufs = [torch.empty_like(p) for p in versions[0]]
+    hits = torn = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for i, ok in enumerate(s.batch_get(ks, bufs)):
+            if ok:
+                hits += 1
+                torn += not any(torch.equal(bufs[i], v[i]) for v in versions)
+    out.put((hits, torn, s.stats()["corrupt"]))
+    s.close()
+
+
+def test_processes_never_read_a_torn_page(tmp_path, keys):
+    ks, fillers = keys(4), keys(6, component="filler")
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_writer, args=(tmp_path, ks, fillers[3 * v:3 * v + 3], v, 1.5)) for v in (0, 1)]
+    procs.append(ctx.Process(target=_reader, args=(tmp_path, ks, 1.5, out)))
+    for p in procs:
+        p.start()
+    hits, torn, corrupt = out.get(timeout=30)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    assert hits > 0 and torn == 0 and corrupt == 0
