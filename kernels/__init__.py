@@ -20,7 +20,8 @@ L2) and, when given, is checked against the shapes.
 Backends (``backend="auto"``): the CUDA library (kernels/cuda) when l1 is on a GPU and it builds; else
 Triton on a GPU; else the torch ops of kernels/ref.py. GPU copies are asynchronous on the current stream.
 Every call validates its arguments and raises ValueError naming the problem; ``check=False`` skips only
-the O(n) index checks (bounds, duplicate destinations), for callers whose indices come from an allocator. Returns the name of the backend that ran.
+the O(n) index checks (bounds, duplicate destinations), for callers whose indices come from an
+allocator. Each op returns the name of the backend that ran.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import torch
 
 from kernels import triton_copy
 from kernels.ref import (L1_TO_L2, L2_TO_L1, LAYER_FIRST, LAYOUTS, PAGE_FIRST, PAGE_FIRST_DIRECT, alloc_l2,
-                         l2_num_layers, l2_num_pages, l2_page_elems, l2_shape, plan, ref_l1_to_l2, ref_l2_to_l1)
+                         l2_num_layers, l2_num_pages, l2_page_elems, l2_shape, ref_l1_to_l2, ref_l2_to_l1)
 
 __all__ = ["LAYOUTS", "LAYER_FIRST", "PAGE_FIRST", "PAGE_FIRST_DIRECT", "BACKENDS", "l2_shape", "alloc_l2",
            "l1_to_l2", "l2_to_l1", "select_backend"]
@@ -83,15 +84,12 @@ def _transfer(l1, l2, layout, src_pages, dst_pages, layer, page_size, backend, c
         return name
     if name == "torch":
         op = ref_l1_to_l2 if direction == L1_TO_L2 else ref_l2_to_l1
-        op(l1, l2, layout, src, dst, layer)
-        return name
-    src, dst = src.to(l1.device, non_blocking=True), dst.to(l1.device, non_blocking=True)
-    p = plan(l1, l2, layout, direction, layer)
-    if name == "cuda":
-        from kernels.cuda import loader
-        loader.copy_pages(p, src, dst)
+    elif name == "triton":
+        op = triton_copy.triton_l1_to_l2 if direction == L1_TO_L2 else triton_copy.triton_l2_to_l1
     else:
-        triton_copy.launch(p, src, dst)
+        from kernels.cuda import loader
+        op = loader.cuda_l1_to_l2 if direction == L1_TO_L2 else loader.cuda_l2_to_l1
+    op(l1, l2, layout, src, dst, layer)
     return name
 
 

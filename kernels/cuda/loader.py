@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.ref import CopyPlan
+from kernels.ref import L1_TO_L2, L2_TO_L1, CopyPlan, plan
 
 SOURCE = Path(__file__).with_name("hicache.cu")
 ABI_VERSION = 1
@@ -141,3 +141,17 @@ def copy_pages(p: CopyPlan, src_pages: torch.Tensor, dst_pages: torch.Tensor) ->
         n, p.layer0, p.n_layers, *b, p.n_chunks, p.chunk * es, stream)
     if err != 0:
         raise RuntimeError(f"strata_copy_pages failed with cudaError {err}")
+
+
+def cuda_l1_to_l2(l1: torch.Tensor, l2: torch.Tensor, layout: str, src_pages: torch.Tensor,
+                  dst_pages: torch.Tensor, layer: int | None = None) -> None:
+    """Backup: l2 page dst_pages[i] <- l1 page src_pages[i]. l1: [L, P1, E] on a GPU; l2 pinned or on it."""
+    dev = l1.device
+    copy_pages(plan(l1, l2, layout, L1_TO_L2, layer), src_pages.to(dev, torch.int64), dst_pages.to(dev, torch.int64))
+
+
+def cuda_l2_to_l1(l1: torch.Tensor, l2: torch.Tensor, layout: str, src_pages: torch.Tensor,
+                  dst_pages: torch.Tensor, layer: int | None = None) -> None:
+    """Load: l1 page dst_pages[i] <- l2 page src_pages[i]. Same shapes as cuda_l1_to_l2."""
+    dev = l1.device
+    copy_pages(plan(l1, l2, layout, L2_TO_L1, layer), src_pages.to(dev, torch.int64), dst_pages.to(dev, torch.int64))
