@@ -22,6 +22,14 @@ class ServiceUnavailable(Exception):
     """The cluster cannot take the request now (no live worker, pools full): HTTP 503."""
 
 
+class WorkerFailed(RuntimeError):
+    """A worker serving the request died; ``workers`` names the ones to avoid on a retry."""
+
+    def __init__(self, msg: str, workers: tuple[str, ...] = ()) -> None:
+        super().__init__(msg)
+        self.workers = workers
+
+
 class Backend(Protocol):
     model_name: str
     max_context: int
@@ -30,7 +38,7 @@ class Backend(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
     def chat_prompt(self, messages: list[dict]) -> str: ...
-    def stream(self, ids: list[int], params: SamplingParams) -> AsyncIterator[StreamItem]: ...
+    def stream(self, ids: list[int], params: SamplingParams, avoid: tuple[str, ...] = ()) -> AsyncIterator[StreamItem]: ...
     async def health(self) -> dict: ...
     async def flush_cache(self) -> bool: ...
     async def gauges(self) -> dict: ...
@@ -161,7 +169,7 @@ def build_app(backend: Backend, metrics: Metrics | None = None, max_inflight: in
             raise HTTPException(400, f"prompt: {len(ids)} tokens exceed the context of {backend.max_context}")
         return ids
 
-    async def run(ids: list[int], params: SamplingParams) -> AsyncIterator[StreamItem]:
+    async def run(ids: list[int], params: SamplingParams, avoid: tuple[str, ...] = ()) -> AsyncIterator[StreamItem]:
         """Admission control, metrics and error mapping around the backend's stream."""
         if state["inflight"] >= max_inflight:
             raise HTTPException(503, f"server busy: {max_inflight} requests in flight")
@@ -169,7 +177,7 @@ def build_app(backend: Backend, metrics: Metrics | None = None, max_inflight: in
         t0 = time.perf_counter()
         first = last = None
         try:
-            async for item in backend.stream(ids, params):
+            async for item in backend.stream(ids, params, avoid):
                 now = time.perf_counter()
                 if item.error:
                     metrics.inc("strata_request_errors_total")
@@ -190,12 +198,17 @@ def build_app(backend: Backend, metrics: Metrics | None = None, max_inflight: in
         finally:
             state["inflight"] -= 1
 
-    async def first_or_error(gen: AsyncIterator[StreamItem]):
-        """Start the stream before answering, so admission errors become HTTP errors, not broken SSE."""
+    async def first_or_error(gen: AsyncIterator[StreamItem], retryable: bool = False):
+        """Start the stream before answering, so admission errors become HTTP errors, not broken SSE.
+        ``retryable``: let WorkerFailed through to a caller that retries."""
         try:
             item = await gen.__anext__()
         except StopAsyncIteration:
             return None
+        except WorkerFailed as e:
+            if retryable:
+                raise
+            raise HTTPException(503, f"request failed: {e}") from None
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
         except (MemoryError, ServiceUnavailable) as e:
@@ -203,17 +216,27 @@ def build_app(backend: Backend, metrics: Metrics | None = None, max_inflight: in
         return item
 
     async def collect(ids: list[int], params: SamplingParams) -> tuple[list[int], StreamItem]:
-        gen = run(ids, params)
-        item = await first_or_error(gen)
-        toks = list(item.token_ids) if item else []
-        last = item
-        try:
-            while last is not None and not last.finished:
-                last = await gen.__anext__()
-                toks += last.token_ids
-        except RuntimeError as e:
-            raise HTTPException(503, f"request failed: {e}") from None
-        return toks, last
+        """A whole (non-streamed) response. Nothing was sent yet, so a request whose worker died is
+        retried once, routed away from the workers that failed."""
+        avoid: tuple[str, ...] = ()
+        for attempt in range(2):
+            try:
+                gen = run(ids, params, avoid)
+                item = await first_or_error(gen, retryable=True)
+                toks = list(item.token_ids) if item else []
+                last = item
+                while last is not None and not last.finished:
+                    last = await gen.__anext__()
+                    toks += last.token_ids
+                return toks, last
+            except WorkerFailed as e:
+                metrics.inc("strata_request_retries_total")
+                if attempt:
+                    raise HTTPException(503, f"request failed: {e}") from None
+                avoid = e.workers
+            except RuntimeError as e:
+                raise HTTPException(503, f"request failed: {e}") from None
+        raise AssertionError("unreachable")
 
     def sse(gen_factory) -> StreamingResponse:
         return StreamingResponse(gen_factory(), media_type="text/event-stream")

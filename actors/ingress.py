@@ -9,7 +9,8 @@ from typing import AsyncIterator
 import ray
 from ray import serve
 
-from actors.http_api import ServiceUnavailable, build_app
+from actors.http_api import ServiceUnavailable, WorkerFailed, build_app
+from actors.routing import prompt_keys
 from actors.metrics import Metrics
 from engine.async_engine import StreamItem
 from engine.model.tokenizer import TextTokenizer
@@ -23,6 +24,7 @@ class RayBackend:
         self.model_name, self.vocab_size, self.max_context = model_name, vocab_size, max_context
         self.tok = TextTokenizer(model_path)
         self.timeout = request_timeout
+        self.router_cfg = None
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text)
@@ -35,13 +37,38 @@ class RayBackend:
         tpl = self.tok.chat_template or "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
         return Template(tpl).render(messages=messages, add_generation_prompt=True)
 
-    async def stream(self, ids: list[int], params: SamplingParams) -> AsyncIterator[StreamItem]:
+    async def stream(self, ids: list[int], params: SamplingParams,
+                     avoid: tuple[str, ...] = ()) -> AsyncIterator[StreamItem]:
         try:
-            choice = await self.router.route.remote(ids)
+            if self.router_cfg is None:
+                self.router_cfg = await self.router.config.remote()
+            keys = prompt_keys(ids, self.router_cfg)   # hashed here: ingress replicas scale, the router doesn't
+            choice = await self.router.route.remote(keys, len(ids), list(avoid))
         except ray.exceptions.RayError as e:
             raise ServiceUnavailable(f"no route: {str(e).splitlines()[-1][:200]}") from None
-        pre = self.workers[choice["prefill"]]
+        for w in {choice["prefill"], choice["decode"]} & set(avoid):
+            await self._wait_alive(w)  # the only such worker failed this request: let it restart first
         route = {"prefill": choice["prefill"], "decode": choice["decode"]}
+        try:
+            async for item in self._serve(ids, params, choice, route):
+                yield item
+        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
+            raise WorkerFailed(str(e).splitlines()[0][:300],
+                               tuple(w for w in (choice["prefill"], choice["decode"]) if w)) from None
+
+    async def _wait_alive(self, worker: str, timeout: float = 60.0) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            try:
+                await asyncio.wait_for(self.workers[worker].ping.remote(), 5)
+                return
+            except (ray.exceptions.RayError, asyncio.TimeoutError):
+                if asyncio.get_running_loop().time() > deadline:
+                    raise ServiceUnavailable(f"worker {worker} did not come back in {timeout:.0f}s") from None
+                await asyncio.sleep(0.5)
+
+    async def _serve(self, ids, params, choice, route) -> AsyncIterator[StreamItem]:
+        pre = self.workers[choice["prefill"]]
         if choice["decode"] is None:
             async for ref in pre.generate.remote(ids, params):
                 item = await asyncio.wait_for(ref, self.timeout)

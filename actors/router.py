@@ -5,7 +5,7 @@ import time
 
 import ray
 
-from actors.routing import L3_WORKER, PrefixIndex, RouterConfig, pick_decode, prompt_keys, route
+from actors.routing import L3_WORKER, PrefixIndex, RouterConfig, pick_decode, route
 
 
 @ray.remote(max_restarts=-1, max_task_retries=-1)
@@ -33,6 +33,9 @@ class PrefixRouterActor:
         self.index.apply(L3_WORKER, [e for e in events if e.tier == "L3" and e.kind == "stored"])
         self.loads[worker], self.roles[worker], self.seen[worker] = load, role, time.monotonic()
 
+    def config(self) -> RouterConfig:
+        return self.cfg
+
     def report_l3(self, events: list) -> None:
         self.index.apply("L3", events)
 
@@ -46,18 +49,26 @@ class PrefixRouterActor:
         return {w: self.loads[w] for w, r in self.roles.items()
                 if r in roles and w not in self.dropped and w not in self.removed}
 
-    def route(self, ids: list[int]) -> dict:
-        """{"prefill": worker, "decode": worker or None, "cached_pages": n, "by_tier": {...}}."""
-        prefill = self._live(("prefill", "colocated"))
-        worker, ov = route(self.index, prompt_keys(ids, self.cfg), len(ids), prefill, self.cfg)
+    def route(self, keys: list[bytes], prompt_len: int, avoid: list[str] | None = None) -> dict:
+        """{"prefill": worker, "decode": worker or None, "cached_pages": n, "by_tier": {...}}.
+        ``keys``: the prompt's page keys (``prompt_keys``), hashed by the caller so the one router
+        actor only decides. ``avoid``: workers that just failed this request (used only when no
+        other worker is left)."""
+        prefill = self._avoiding(self._live(("prefill", "colocated")), avoid)
+        worker, ov = route(self.index, keys, prompt_len, prefill, self.cfg)
         decode = None
         if self.roles[worker] == "prefill":
-            decode = pick_decode(self._live(("decode",)))
+            decode = pick_decode(self._avoiding(self._live(("decode",)), avoid))
             self.loads[decode]["running"] = self.loads[decode].get("running", 0) + 1
         # Count the request against the worker until its next report, so a burst spreads out.
-        self.loads[worker]["queued_tokens"] = self.loads[worker].get("queued_tokens", 0) + len(ids)
+        self.loads[worker]["queued_tokens"] = self.loads[worker].get("queued_tokens", 0) + prompt_len
         self.decisions += 1
         return {"prefill": worker, "decode": decode, "cached_pages": ov.pages, "by_tier": ov.by_tier}
+
+    @staticmethod
+    def _avoiding(live: dict[str, dict], avoid: list[str] | None) -> dict[str, dict]:
+        rest = {w: v for w, v in live.items() if w not in (avoid or ())}
+        return rest or live  # the only worker may have restarted: try it again
 
     def remove_worker(self, worker: str) -> int:
         """Stop routing to a worker and forget its cache (operators, tests, failure handling)."""

@@ -96,35 +96,36 @@ class PrefixIndex:
         return self.overlap_all(keys, [worker], window_pages)[worker]
 
     def overlap_all(self, keys: Sequence[bytes], workers: list[str], window_pages: int) -> dict[str, Overlap]:
-        """``overlap`` for several workers in one pass over the keys (each key is looked up once)."""
-        state = {w: [0, None, []] for w in workers}   # best_m, run_start, tiers
-        alive = set(workers)
-        for i, key in enumerate(keys):
-            if not alive:
-                break
-            full, swa = self._full.get(key), self._swa.get(key)
-            for w in list(alive):
-                t = _top(full, w)
-                st = state[w]
-                if t is None:
-                    alive.discard(w)
-                    continue
-                st[2].append(t)
-                if window_pages == 0:
-                    st[0] = i + 1
-                elif _top(swa, w) is not None:
-                    st[1] = i if st[1] is None else st[1]
-                    if st[1] == 0 or i + 1 - st[1] >= window_pages:
-                        st[0] = i + 1
-                else:
-                    st[1] = None
-        out = {}
-        for w, (m, _, tiers) in state.items():
-            ov = Overlap(m)
-            for t in tiers[:m]:
-                ov.by_tier[t] += 1
-            out[w] = ov
-        return out
+        """``overlap`` for several workers; each key is looked up once per table (a C-level pass), then
+        each worker walks the looked-up holders until its first miss."""
+        fulls = [self._full.get(k) for k in keys]
+        swas = [self._swa.get(k) for k in keys] if window_pages else None
+        return {w: _walk(fulls, swas, w, window_pages) for w in workers}
+
+
+def _walk(fulls: list, swas: list | None, worker: str, window_pages: int) -> Overlap:
+    """The usable prefix for one worker over looked-up holders (see the module doc for the rule)."""
+    best_m, run_start = 0, None
+    seen = [0, 0, 0]          # pages per tier so far (L1, L2, L3)
+    at_best = (0, 0, 0)
+    for i, holders in enumerate(fulls):
+        t = _top(holders, worker)
+        if t is None:
+            break
+        seen[TIER_RANK[t]] += 1
+        if swas is None:
+            best_m, at_best = i + 1, seen
+            continue
+        if _top(swas[i], worker) is not None:
+            if run_start is None:
+                run_start = i
+            if run_start == 0 or i + 1 - run_start >= window_pages:
+                best_m, at_best = i + 1, tuple(seen)
+        else:
+            run_start = None
+    ov = Overlap(best_m)
+    ov.by_tier.update(L1=at_best[0], L2=at_best[1], L3=at_best[2])
+    return ov
 
 
 def _top(holders: dict | None, worker: str) -> str | None:

@@ -155,3 +155,21 @@ def test_killing_the_decode_worker_mid_stream_gives_a_clean_error_and_it_comes_b
             break
         time.sleep(1)
     assert r.status_code == 200 and len(r.json()["output_ids"]) == 4
+
+
+def test_a_non_streamed_request_survives_its_decode_worker_dying(cluster, reference):
+    url = cluster["url"]
+    ids = [9, 8, 7, 6]
+    want = reference.generate([ids], SamplingParams(max_new_tokens=400, ignore_eos=True))[0].token_ids
+
+    def kill_soon():
+        time.sleep(1.0)
+        ray.kill(cluster["workers"]["decode-0"], no_restart=False)
+
+    import threading
+    threading.Thread(target=kill_soon, daemon=True).start()
+    r = httpx.post(f"{url}/generate", json={"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}, timeout=180)
+    assert r.status_code == 200, r.text
+    assert r.json()["output_ids"] == want
+    assert "strata_request_retries_total" in httpx.get(f"{url}/metrics").text
