@@ -82,17 +82,23 @@ def backend(request) -> str:
     return request.param
 
 
+def backend_server(backend: str, request):
+    """The real server a backend talks to (mooncake_master, the UCX slab server), or None; skips with
+    the exact reason where the backend cannot run here."""
+    if backend == "mooncake":
+        return request.getfixturevalue("mooncake_master")
+    if backend == "nixl-ucx":
+        return request.getfixturevalue("slab_server")
+    if backend == "nixl":
+        _nixl_or_skip()
+    return None
+
+
 @pytest.fixture
 def open_store(backend, tmp_path, request):
     """A factory of stores of the current backend (several may share one directory or master)."""
     stores = []
-    server = None
-    if backend == "mooncake":
-        server = request.getfixturevalue("mooncake_master")
-    elif backend == "nixl-ucx":
-        server = request.getfixturevalue("slab_server")
-    elif backend == "nixl":
-        _nixl_or_skip()
+    server = backend_server(backend, request)
 
     def make(**kw):
         s = make_store(store_config(backend, tmp_path / "l3", server, **kw))

@@ -7,21 +7,13 @@ import torch
 from engine import Engine, SamplingParams
 from storage.config import HiCacheConfig
 
-from .conftest import store_config
+from .conftest import backend_server, store_config
 
 SP = SamplingParams(max_new_tokens=8, ignore_eos=True)
 
 
 def test_engine_b_is_served_engine_a_prefix_from_l3(backend, tmp_path, request):
-    server = None
-    if backend == "mooncake":
-        server = request.getfixturevalue("mooncake_master")
-    elif backend == "nixl-ucx":
-        server = request.getfixturevalue("slab_server")
-    elif backend == "nixl":
-        from .conftest import _nixl_or_skip
-        _nixl_or_skip()
-    l3 = store_config(backend, tmp_path / "l3", server)
+    l3 = store_config(backend, tmp_path / "l3", backend_server(backend, request))
 
     def engine():
         return Engine.from_pretrained("strata-tiny", page_size=16, num_pages=256, enable_prefix_cache=True,
