@@ -113,6 +113,10 @@ def test_bad_generate_bodies_get_4xx_and_the_server_keeps_serving(cluster, body,
 
 def test_invalid_utf8_and_non_json_bodies(cluster):
     url = cluster["url"]
+    # curl -d without a content type (form encoding) still means a JSON body here.
+    r = httpx.post(f"{url}/generate", content=b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}',
+                   headers={"content-type": "application/x-www-form-urlencoded"}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == 2
     r = httpx.post(f"{url}/generate", content=b"\xff\xfe{not json", headers={"content-type": "application/json"})
     assert 400 <= r.status_code < 500
     r = httpx.post(f"{url}/v1/chat/completions", json={"model": "x", "messages": []})
