@@ -76,20 +76,25 @@ class GenerateRequest(_Strict):
     image_data: Optional[None] = None
 
 
-class CompletionRequest(_Strict):
+class _OpenAIRequest(_Strict):
+    """Fields both OpenAI endpoints share (unimplemented ones only at their neutral values)."""
+
     model: Optional[str] = None
-    prompt: Union[str, list[int]]
-    max_tokens: int = Field(16, ge=0, le=1 << 20)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
     seed: Optional[int] = Field(None, ge=0, le=2**63 - 1)
     user: Optional[str] = None
-    logprobs: Optional[None] = None
-    echo: Literal[False] = False
     stop: Optional[None] = None
     stream_options: Optional[dict] = None
+
+
+class CompletionRequest(_OpenAIRequest):
+    prompt: Union[str, list[int]]
+    max_tokens: int = Field(16, ge=0, le=1 << 20)
+    logprobs: Optional[None] = None
+    echo: Literal[False] = False
 
 
 class ChatMessage(_Strict):
@@ -98,19 +103,10 @@ class ChatMessage(_Strict):
     name: Optional[str] = None
 
 
-class ChatRequest(_Strict):
-    model: Optional[str] = None
+class ChatRequest(_OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = Field(None, ge=0, le=1 << 20)
     max_completion_tokens: Optional[int] = Field(None, ge=0, le=1 << 20)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=1)
-    stream: bool = False
-    seed: Optional[int] = Field(None, ge=0, le=2**63 - 1)
-    user: Optional[str] = None
-    stop: Optional[None] = None
-    stream_options: Optional[dict] = None
 
     @field_validator("messages")
     @classmethod

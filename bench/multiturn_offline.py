@@ -47,8 +47,7 @@ def run_config(name: str, engine_kw: dict, n_conv: int, rounds: int, first: int,
             "prompt_tokens": prompt,
         })
         hist = [h + o.token_ids for h, o in zip(hist, outs)]
-    if eng.cache is not None:
-        eng.cache.close()
+    eng.close()
     return rows
 
 
@@ -67,7 +66,7 @@ def host_bytes_ratio(window_multiple: int = 8) -> dict:
     per_layer_token = eng.pools.full.bytes_per_token // max(1, full_l)
     oblivious = (full_l + swa_l) * s * per_layer_token
     bound = (full_l * s + swa_l * (w + ps)) / ((full_l + swa_l) * s)
-    eng.cache.close()
+    eng.close()
     return {"tokens": s, "window": w, "host_bytes_swa_aware": measured, "host_bytes_keep_every_swa_token": oblivious,
             "ratio": measured / oblivious, "bound": bound}
 

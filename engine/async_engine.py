@@ -211,5 +211,4 @@ class AsyncEngine:
         self._stop = True
         self._cmds.put(lambda: None)
         self._thread.join(timeout=5)
-        if self.engine.cache is not None:
-            self.engine.cache.close()
+        self.engine.close()

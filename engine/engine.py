@@ -287,6 +287,11 @@ class Engine:
         tree = self.cache.owners()
         self.scheduler.check_integrity({c: {"tree": pages} for c, pages in tree.items()})
 
+    def close(self) -> None:
+        """Finish background copies and release the L3 store (idempotent)."""
+        if self.cache is not None:
+            self.cache.close()
+
     def flush_cache(self) -> None:
         """Empty every cache tier. Raises RuntimeError while requests are running."""
         if self.scheduler.running:

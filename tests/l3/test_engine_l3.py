@@ -23,8 +23,7 @@ def test_engine_b_is_served_engine_a_prefix_from_l3(backend, tmp_path, request):
     prompt = torch.randint(0, 256, (8 * 64,), generator=g).tolist()   # 8x the window
     a = engine()
     first = a.generate([prompt], SP)[0]
-    a.cache.poll(block=True)
-    a.cache.poll(block=True)
+    a.cache.poll(block=True)   # drains the backups and the L3 writes they enqueue
     assert a.cache.l3.stats["written_pages"] > 0
     b = engine()
     turn2 = prompt + first.token_ids + [11] * 24
@@ -34,7 +33,6 @@ def test_engine_b_is_served_engine_a_prefix_from_l3(backend, tmp_path, request):
     assert got.token_ids == want.token_ids
     b.check_integrity()
     for e in (a, b):
-        e.cache.poll(block=True)
         e.flush_cache()
         assert e.pools.all_free() and e.cache.host.all_free()
-        e.cache.close()
+        e.close()

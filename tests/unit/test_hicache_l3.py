@@ -29,26 +29,23 @@ def test_second_engine_reuses_the_first_ones_pages_from_l3(tmp_path, ref, layout
     g = torch.Generator().manual_seed(2)
     p = torch.randint(0, 256, (300,), generator=g).tolist()
     out = a.generate([p], SP)[0]
-    a.cache.poll(block=True)
-    a.cache.poll(block=True)   # the L3 writes follow the L2 backups
+    a.cache.poll(block=True)   # drains the backups and the L3 writes they enqueue
     turn2 = p + out.token_ids + [9] * 30
     got = b.generate([turn2], SP)[0]
     assert got.cached_tokens_by_tier["L3"] >= 16 * ((300 + 7) // 16) - 16
     assert got.token_ids == ref.generate([turn2], SP)[0].token_ids
     b.check_integrity()
     for e in (a, b):
-        e.cache.poll(block=True)
         e.flush_cache()
         assert e.pools.all_free() and e.cache.host.all_free()
-        e.cache.close()
+        e.close()
 
 
 def test_corrupt_l3_objects_are_misses_not_wrong_tokens(tmp_path, ref):
     a = _engine(tmp_path)
     p = [(7 * i) % 256 for i in range(260)]
     a.generate([p], SP)
-    a.cache.poll(block=True)
-    a.cache.poll(block=True)
+    a.cache.poll(block=True)   # drains the backups and the L3 writes they enqueue
     files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if not f.startswith(".")]
     assert files
     for f in files:  # flip a byte in the middle of every stored page
@@ -63,4 +60,4 @@ def test_corrupt_l3_objects_are_misses_not_wrong_tokens(tmp_path, ref):
     assert got.token_ids == ref.generate([p + [1] * 20], SP)[0].token_ids
     assert b.cache.l3.store.stats()["corrupt"] > 0 or b.cache.l3.stats["read_failures"] > 0
     for e in (a, b):
-        e.cache.close()
+        e.close()
