@@ -25,8 +25,13 @@ class WorkersConfig:
     colocated: int = 0
     num_cpus: float = 0.5          # Ray logical CPUs per worker actor (declare fractions on small boxes)
     num_gpus: float = 0.0
+    # Each worker also asks Ray for 1 unit of the custom resource "strata_<role>", so prefill and decode
+    # workers land on nodes that declare it (the prefill/decode worker groups of manifests/).
+    role_resources: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.role_resources, bool):
+            raise ValueError(f"workers.role_resources must be a bool, got {self.role_resources!r}")
         for name in ("prefill", "decode", "colocated"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
@@ -37,6 +42,14 @@ class WorkersConfig:
             raise ValueError("workers: colocated workers cannot be mixed with prefill/decode workers")
         if self.num_cpus < 0 or self.num_gpus < 0:
             raise ValueError("workers.num_cpus and workers.num_gpus must be >= 0")
+
+    def role_resource(self, role: str) -> dict[str, float]:
+        return {f"strata_{role}": 1.0} if self.role_resources else {}
+
+    def bundle(self, role: str) -> dict[str, float]:
+        """The placement-group bundle of one worker of ``role``."""
+        return {"CPU": self.num_cpus, **({"GPU": self.num_gpus} if self.num_gpus else {}),
+                **self.role_resource(role)}
 
 
 @dataclass(frozen=True)

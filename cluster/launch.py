@@ -55,6 +55,18 @@ def init_ray(cfg: ClusterConfig, address: str | None = None) -> None:
 
 def deploy(cfg: ClusterConfig, detached: bool = False, ready_timeout: float = 120.0) -> dict:
     """Create router, workers and ingress; returns their handles once every worker has reported."""
+    handles = start_actors(cfg, detached=detached, ready_timeout=ready_timeout)
+    s = cfg.server
+    serve.start(http_options={"host": s.host, "port": s.port})
+    serve.run(ingress_app(cfg, handles), name="strata", route_prefix="/", blocking=False)
+    return handles
+
+
+def start_actors(cfg: ClusterConfig, detached: bool = False, ready_timeout: float = 120.0,
+                 get_if_exists: bool = False) -> dict:
+    """Create (or, with ``get_if_exists``, reuse) the named router and workers and wait until every
+    worker has reported to the router. Reuse matters to a Serve application builder, which runs again
+    on every redeploy of the same cluster."""
     path = resolve_model_path(cfg.engine.model)
     mc = ModelConfig.from_dir(path)
     ps = cfg.engine.page_size
@@ -63,21 +75,31 @@ def deploy(cfg: ClusterConfig, detached: bool = False, ready_timeout: float = 12
                                      window_pages=math.ceil((window - 1) / ps) if window else 0)
     engine_cfg = dataclasses.replace(cfg.engine, model=str(path))
     life = {"lifetime": "detached"} if detached else {}
-    router = PrefixRouterActor.options(name="strata-router", num_cpus=0.1, get_if_exists=True,
+    # The configured namespace even when called from a task of another namespace (a Serve app builder).
+    ns = cfg.ray.namespace
+    router = PrefixRouterActor.options(name="strata-router", namespace=ns, num_cpus=0.1, get_if_exists=True,
                                        **life).remote(router_cfg)
     roles = ([("colocated", i) for i in range(cfg.workers.colocated)]
              + [("prefill", i) for i in range(cfg.workers.prefill)]
              + [("decode", i) for i in range(cfg.workers.decode)])
     w = cfg.workers
-    bundle = {"CPU": w.num_cpus, **({"GPU": w.num_gpus} if w.num_gpus else {})}
-    pg = placement_group([bundle] * len(roles), strategy="PACK",
-                         name="strata-workers" if detached else "", lifetime="detached" if detached else None)
+    pg = None
+    if get_if_exists and detached:
+        try:
+            pg = ray.util.get_placement_group("strata-workers")
+        except ValueError:
+            pg = None
+    if pg is None:
+        pg = placement_group([w.bundle(role) for role, _ in roles], strategy="PACK",
+                             name="strata-workers" if detached else "",
+                             lifetime="detached" if detached else None)
     ray.get(pg.ready(), timeout=ready_timeout)
     workers = {}
     for i, (role, n) in enumerate(roles):
         wid = f"{role}-{n}"
         workers[wid] = WorkerActor.options(
-            name=f"strata-{wid}", num_cpus=w.num_cpus, num_gpus=w.num_gpus, **life,
+            name=f"strata-{wid}", namespace=ns, num_cpus=w.num_cpus, num_gpus=w.num_gpus, get_if_exists=get_if_exists,
+            resources=w.role_resource(role), **life,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
         ).remote(wid, role, engine_cfg, router)
     ray.get([a.start.remote() for a in workers.values()], timeout=ready_timeout)
@@ -90,14 +112,18 @@ def deploy(cfg: ClusterConfig, detached: bool = False, ready_timeout: float = 12
     else:
         raise TimeoutError("workers did not report to the router in time")
     s = cfg.server
-    serve.start(http_options={"host": s.host, "port": s.port})
-    app = serve.deployment(Ingress, name="ingress", num_replicas=1,
-                           ray_actor_options={"num_cpus": s.num_cpus}).bind(
-        router, workers, s.model_name, str(path), mc.vocab_size, mc.max_position_embeddings,
-        s.request_timeout, s.max_inflight)
-    serve.run(app, name="strata", route_prefix="/", blocking=False)
     return {"router": router, "workers": workers, "placement_group": pg,
-            "url": f"http://{s.host}:{s.port}", "model_path": str(path)}
+            "url": f"http://{s.host}:{s.port}", "model_path": str(path), "model_config": mc}
+
+
+def ingress_app(cfg: ClusterConfig, handles: dict, ingress_cls=Ingress):
+    """The bound HTTP ingress over the actors of ``start_actors`` (not yet running: ``serve.run`` it, or
+    return it from a Serve application builder)."""
+    s, mc = cfg.server, handles["model_config"]
+    return serve.deployment(ingress_cls, name="ingress", num_replicas=1,
+                            ray_actor_options={"num_cpus": s.num_cpus}).bind(
+        handles["router"], handles["workers"], s.model_name, handles["model_path"], mc.vocab_size,
+        mc.max_position_embeddings, s.request_timeout, s.max_inflight)
 
 
 def shutdown(handles: dict | None = None) -> None:
