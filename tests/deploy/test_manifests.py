@@ -175,6 +175,60 @@ def test_broken_manifests_fail_validation():
     assert errors(cm)
 
 
+# ---- rules the KubeRay operator enforces beyond the schema (checked when it reconciles, not at apply) ----
+DNS1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+CRON_FIELD = re.compile(r"(\*|\d+(-\d+)?)(/\d+)?(,(\*|\d+(-\d+)?)(/\d+)?)*")
+
+
+def operator_errors(obj: dict) -> list[str]:
+    kind, spec, errs = obj["kind"], obj["spec"], []
+    name = obj["metadata"]["name"]
+    if kind in ("RayCluster", "RayJob", "RayService", "RayCronJob") and \
+            not (DNS1035.fullmatch(name) and len(name) <= 63):
+        errs.append(f"name {name!r} is not a DNS-1035 label")
+    clusters = [spec] if kind == "RayCluster" else [spec["rayClusterConfig"]] if kind == "RayService" else []
+    jobs = [spec] if kind == "RayJob" else [spec["jobTemplate"]] if kind == "RayCronJob" else []
+    for c in clusters:
+        for g in [c["headGroupSpec"]] + c.get("workerGroupSpecs", []):
+            params = g.get("rayStartParams", {})
+            if g.get("resources") and any(k in params for k in ("num-cpus", "num-gpus", "memory", "resources")):
+                errs.append("group resources set both in rayStartParams and in resources")
+            if "labels" in params:
+                errs.append("rayStartParams.labels is not supported (use the group's labels)")
+            if not g["template"]["spec"].get("containers"):
+                errs.append("a group without containers")
+    if kind == "RayService" and spec["rayClusterConfig"]["headGroupSpec"].get("headService", {}) \
+            .get("metadata", {}).get("name"):
+        errs.append("rayClusterConfig.headGroupSpec.headService.metadata.name must not be set")
+    for j in jobs:
+        if j.get("clusterSelector"):
+            if not j["clusterSelector"].get("ray.io/cluster"):
+                errs.append("clusterSelector without a ray.io/cluster name")
+            if j.get("submissionMode") == "SidecarMode" or j.get("suspend"):
+                errs.append("clusterSelector with SidecarMode or suspend")
+        elif "rayClusterSpec" not in j:
+            errs.append("a RayJob needs rayClusterSpec or clusterSelector")
+        if j.get("ttlSecondsAfterFinished", 0) > 0 and not j.get("shutdownAfterJobFinishes"):
+            errs.append("ttlSecondsAfterFinished without shutdownAfterJobFinishes")
+    if kind == "RayCronJob":
+        fields = spec["schedule"].split()
+        if len(fields) != 5 or not all(CRON_FIELD.fullmatch(f) for f in fields):
+            errs.append(f"schedule {spec['schedule']!r} is not a standard 5-field cron expression")
+    return errs
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_kuberay_operator_rules(overlay):
+    for (kind, name), obj in objects(overlay).items():
+        if obj["apiVersion"].startswith("ray.io/"):
+            assert operator_errors(obj) == [], f"{kind}/{name}"
+    o = objects(overlay)
+    bad = o[("RayCronJob", "strata-rebalance")]
+    bad["spec"]["schedule"] = "every 30 minutes"
+    bad["spec"]["jobTemplate"]["clusterSelector"] = {"app": "strata"}
+    assert len(operator_errors(bad)) == 2
+
+
 # ---- the manifests against the code --------------------------------------------------------------------
 def cluster_config(overlay: str) -> ClusterConfig:
     return from_text(objects(overlay)[("ConfigMap", "strata-config")]["data"]["cluster.yaml"])
