@@ -98,8 +98,8 @@ def start_actors(cfg: ClusterConfig, detached: bool = False, ready_timeout: floa
     for i, (role, n) in enumerate(roles):
         wid = f"{role}-{n}"
         workers[wid] = WorkerActor.options(
-            name=f"strata-{wid}", namespace=ns, num_cpus=w.num_cpus, num_gpus=w.num_gpus, get_if_exists=get_if_exists,
-            resources=w.role_resource(role), **life,
+            name=f"strata-{wid}", namespace=ns, get_if_exists=get_if_exists, num_cpus=w.num_cpus,
+            num_gpus=w.num_gpus, resources=w.role_resource(role), **life,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
         ).remote(wid, role, engine_cfg, router)
     ray.get([a.start.remote() for a in workers.values()], timeout=ready_timeout)
