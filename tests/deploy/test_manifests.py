@@ -149,6 +149,19 @@ def test_rayservice_cluster_is_a_valid_raycluster_spec():
 
 
 @needs_crds
+def test_without_the_rayservice_crd_its_cluster_is_still_checked(monkeypatch):
+    monkeypatch.setitem(CRD_FILES, "RayService", "absent.yaml")
+    crd_validator.cache_clear()
+    try:
+        svc = objects("cpu-tiny")[("RayService", "strata-serve")]
+        assert crd_errors(svc) == []
+        svc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["minReplicas"] = "1"
+        assert [e for e in crd_errors(svc) if e.startswith("spec.rayClusterConfig.workerGroupSpecs.0.minReplicas")]
+    finally:
+        crd_validator.cache_clear()
+
+
+@needs_crds
 def test_broken_manifests_fail_validation():
     o = objects("cpu-tiny")
     rc = o[("RayCluster", "strata")]
