@@ -387,6 +387,15 @@ def test_image_pins_the_clusters_ray_version():
     assert ray.__version__ == ray_version, "the tests ran against another Ray than the image ships"
 
 
+def test_role_resources_place_each_role_on_its_group():
+    cfg = cluster_config("cpu-tiny")
+    assert cfg.workers.bundle("prefill") == {"CPU": cfg.workers.num_cpus, "strata_prefill": 1.0}
+    assert cfg.workers.role_resource("decode") == {"strata_decode": 1.0}
+    with pytest.raises(ValueError, match="workers.role_resources"):
+        from_text("workers: {prefill: 1, decode: 1, role_resources: 'yes'}")
+    assert from_text("workers: {prefill: 1, decode: 1}").workers.bundle("decode") == {"CPU": 0.5}
+
+
 def test_unit_helpers_fail_on_unsupported_kustomize(tmp_path):
     (tmp_path / "kustomization.yaml").write_text("resources: []\nnamePrefix: x-\n")
     with pytest.raises(ValueError, match="namePrefix"):
