@@ -25,7 +25,12 @@ class EplbConfig:
     """The rebalancer's knobs (cluster YAML ``eplb:``). A rebalance is due every ``interval_seconds`` or
     every ``interval_steps`` forward passes, whichever comes first (0 disables that trigger); it uses the
     loads of the last ``window`` intervals and is applied only when the current balancedness is under
-    ``threshold`` and the new placement improves on it."""
+    ``threshold`` and the new placement improves on it.
+
+    The engine reads the slot layout (``num_ranks`` x (E + ``num_redundant_experts``) / ``num_ranks``
+    slots) and ``dispatch`` ("auto", "torch", "deep_ep"); the rebalancer reads the rest: it collects the
+    workers' counters every ``collect_seconds`` (one window interval) and acts on its own schedule only
+    when ``auto`` (``strata rebalance`` triggers it by hand either way)."""
     num_redundant_experts: int = 0
     num_ranks: int = 1
     num_groups: int = 1
@@ -34,6 +39,9 @@ class EplbConfig:
     interval_seconds: float = 60.0
     interval_steps: int = 0
     threshold: float = 0.9
+    auto: bool = True
+    collect_seconds: float = 1.0
+    dispatch: str = "auto"
 
     def __post_init__(self) -> None:
         for name, lo in (("num_redundant_experts", 0), ("num_ranks", 1), ("num_groups", 1), ("num_nodes", 1),
@@ -52,6 +60,13 @@ class EplbConfig:
             raise ValueError("EplbConfig.interval_seconds and interval_steps are both 0: nothing would trigger")
         if not isinstance(self.threshold, (int, float)) or not 0 < self.threshold <= 1:
             raise ValueError(f"EplbConfig.threshold must be in (0, 1], got {self.threshold!r}")
+        if not isinstance(self.auto, bool):
+            raise ValueError(f"EplbConfig.auto must be a bool, got {self.auto!r}")
+        if isinstance(self.collect_seconds, bool) or not isinstance(self.collect_seconds, (int, float)) \
+                or not self.collect_seconds > 0:
+            raise ValueError(f"EplbConfig.collect_seconds must be > 0, got {self.collect_seconds!r}")
+        if self.dispatch not in ("auto", "torch", "deep_ep"):
+            raise ValueError(f"EplbConfig.dispatch must be auto, torch or deep_ep, got {self.dispatch!r}")
 
     def num_replicas(self, num_logical: int) -> int:
         return num_logical + self.num_redundant_experts
