@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import ray
 import torch
 
-from engine.eplb import (EplbConfig, LoadWindow, Placement, balancedness, identity_placement,
-                         interval_counts, rebalance_placement, should_rebalance)
+from engine.eplb import (EplbConfig, LoadWindow, Placement, align_placement, balancedness,
+                         identity_placement, interval_counts, rebalance_placement, should_rebalance)
 
 log = logging.getLogger("strata.eplb")
 
@@ -78,6 +78,7 @@ class EplbRebalancer:
         self.rebalances = self.skipped = 0
         self.last_seconds = self.total_seconds = self.last_apply_seconds = 0.0
         self.last: dict | None = None
+        self.last_applied: dict | None = None
 
     # ---- observing -----------------------------------------------------------------------------
     def observe(self, readings: dict[str, dict], now: float) -> list[str]:
@@ -126,6 +127,9 @@ class EplbRebalancer:
         if not len(self.window) or int(self.window.total().sum()) == 0:
             return Decision(False, "no expert load recorded yet", None, before, before)
         new = rebalance_placement(self.window.total(), self.cfg)
+        # Same rank loads, fewer weights to move: keep experts where they already are when possible.
+        new = Placement.from_phy2log(align_placement(self.placement.phy2log, new.phy2log, self.cfg.num_ranks),
+                                     self.num_logical)
         after = balancedness(self.window.total(), new.phy2log, new.logcnt, self.cfg.num_ranks)
         b, a = float(before.mean()), float(after.mean())
         if force:
@@ -145,7 +149,7 @@ class EplbRebalancer:
         self.rebalances += 1
         self.last_seconds, self.last_apply_seconds = seconds, apply_seconds
         self.total_seconds += seconds
-        self.last = d.report(seconds, moved, workers)
+        self.last = self.last_applied = d.report(seconds, moved, workers)
         return self.last
 
     def skip(self, d: Decision) -> dict:
@@ -169,7 +173,7 @@ class EplbRebalancer:
             "balancedness_min": float(cur.min()),
             "rank_load": self.rank_load.tolist(), "rank_load_total": self.rank_load.sum(0).tolist(),
             "measured_balancedness": measured.tolist(),
-            "phy2log": self.placement.phy2log.tolist(), "last": self.last,
+            "phy2log": self.placement.phy2log.tolist(), "last": self.last, "last_applied": self.last_applied,
         }
 
 

@@ -292,6 +292,40 @@ def rebalance_placement(weight: torch.Tensor, cfg: EplbConfig) -> Placement:
     return Placement(*p)
 
 
+def align_placement(current: torch.Tensor, new: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """new phy2log [L, P] relabelled to move as few expert weights as possible from current [L, P]:
+    ranks are matched greedily (the pair sharing the most experts first) and, within a rank, a slot keeps
+    its expert whenever the new rank holds that expert too. Rank loads (hence balancedness) are those of
+    ``new``: only which rank is called which, and the order of slots inside a rank, change."""
+    if current.shape != new.shape or current.dim() != 2 or current.shape[1] % num_ranks:
+        raise ValueError(f"shapes: current {tuple(current.shape)}, new {tuple(new.shape)}, ranks {num_ranks}")
+    L, P = new.shape
+    S, E = P // num_ranks, int(max(current.max(), new.max())) + 1
+    out = torch.empty_like(new)
+    for layer in range(L):
+        cur_r, new_r = current[layer].view(num_ranks, S), new[layer].view(num_ranks, S)
+        hist = lambda rows: torch.zeros(num_ranks, E, dtype=torch.int64).scatter_add_(  # noqa: E731
+            1, rows, torch.ones_like(rows))
+        overlap = torch.minimum(hist(cur_r)[:, None, :], hist(new_r)[None, :, :]).sum(-1)   # [cur, new]
+        target = torch.empty(num_ranks, dtype=torch.int64)        # new rank j -> current rank target[j]
+        for _ in range(num_ranks):
+            i, j = divmod(int(overlap.argmax()), num_ranks)
+            target[j] = i
+            overlap[i, :], overlap[:, j] = -1, -1
+        for j in range(num_ranks):
+            keep, todo = cur_r[target[j]].tolist(), new_r[j].tolist()
+            row = [-1] * S
+            for pos, e in enumerate(keep):          # a slot keeps its expert when the new rank has it
+                if e in todo:
+                    row[pos] = e
+                    todo.remove(e)
+            for pos in range(S):
+                if row[pos] < 0:
+                    row[pos] = todo.pop(0)
+            out[layer, target[j] * S:(target[j] + 1) * S] = torch.tensor(row, dtype=new.dtype)
+    return out
+
+
 def rank_loads(weight: torch.Tensor, phy2log: torch.Tensor, logcnt: torch.Tensor, num_ranks: int
                ) -> torch.Tensor:
     """Load per rank [L, R] when each replica takes load / logcnt of its expert's load weight [L, E]."""

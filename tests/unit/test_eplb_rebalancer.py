@@ -136,3 +136,22 @@ def test_cli_rebalance_without_a_cluster(monkeypatch, capsys):
     assert cli.main(["rebalance"]) == 2
     assert "no cluster to talk to" in capsys.readouterr().err
     assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_align_placement_keeps_rank_loads_and_moves_less(seed):
+    from engine.eplb import Placement, align_placement, rank_loads, rebalance
+    g = torch.Generator().manual_seed(seed)
+    Lx, Ex, Rx, P = 3, 16, 4, 24
+    cur = rebalance(torch.rand(Lx, Ex, generator=g) ** 4, P, 1, 1, Rx)[0]
+    w = torch.rand(Lx, Ex, generator=g) ** 4
+    new, _, cnt = rebalance(w, P, 1, 1, Rx)
+    got = align_placement(cur, new, Rx)
+    p = Placement.from_phy2log(got, Ex).check()
+    assert torch.equal(p.logcnt, cnt)
+    sort = lambda x: x.sort(-1).values  # noqa: E731
+    assert torch.allclose(sort(rank_loads(w, got, cnt, Rx)), sort(rank_loads(w, new, cnt, Rx)))
+    assert int((got != cur).sum()) <= int((new != cur).sum())
+    assert torch.equal(align_placement(cur, cur, Rx), cur)         # nothing to move
+    with pytest.raises(ValueError, match="shapes"):
+        align_placement(cur, new[:, :20], Rx)
