@@ -75,6 +75,7 @@ class EplbRebalancer:
         self.last_time, self.last_step = float(self.now), 0
         R = c.num_ranks
         self.rank_load = torch.zeros(self.num_layers, R, dtype=torch.int64)   # last interval, measured
+        self.rank_window = LoadWindow(c.window)                                # ... and the last window
         self.rebalances = self.skipped = 0
         self.last_seconds = self.total_seconds = self.last_apply_seconds = 0.0
         self.last: dict | None = None
@@ -106,6 +107,7 @@ class EplbRebalancer:
                 stale.append(w)
         self.window = self.window.push(load, now)
         self.rank_load = slots.view(L, self.cfg.num_ranks, -1).sum(-1)
+        self.rank_window = self.rank_window.push(self.rank_load, now)
         return stale
 
     def due(self, now: float) -> bool:
@@ -158,10 +160,10 @@ class EplbRebalancer:
         return self.last
 
     def status(self) -> dict:
+        """Balancedness per layer of the current placement on the window's logical load, and the load
+        each rank really served (from the slot counters) over the window and in the last interval."""
         cur = self.current_balancedness()
-        rl = self.rank_load.to(torch.float64)
-        mx = rl.max(1).values
-        measured = torch.where(mx > 0, rl.mean(1) / mx.clamp_min(1e-300), torch.ones_like(mx))
+        window = self.rank_window.total() if len(self.rank_window) else self.rank_load
         return {
             "auto": self.cfg.auto, "num_ranks": self.cfg.num_ranks,
             "num_physical": self.placement.num_physical, "steps": self.steps,
@@ -171,10 +173,18 @@ class EplbRebalancer:
             "total_seconds": self.total_seconds,
             "balancedness": cur.tolist(), "balancedness_mean": float(cur.mean()),
             "balancedness_min": float(cur.min()),
-            "rank_load": self.rank_load.tolist(), "rank_load_total": self.rank_load.sum(0).tolist(),
-            "measured_balancedness": measured.tolist(),
+            "rank_load": window.tolist(), "rank_load_total": window.sum(0).tolist(),
+            "measured_balancedness": _balance(window).tolist(),
+            "rank_load_last": self.rank_load.tolist(), "measured_balancedness_last": _balance(self.rank_load).tolist(),
             "phy2log": self.placement.phy2log.tolist(), "last": self.last, "last_applied": self.last_applied,
         }
+
+
+def _balance(rank_load: torch.Tensor) -> torch.Tensor:
+    """Mean / max over ranks per layer of rank_load [L, R] (1.0 for a layer with no load)."""
+    rl = rank_load.to(torch.float64)
+    mx = rl.max(1).values
+    return torch.where(mx > 0, rl.mean(1) / mx.clamp_min(1e-300), torch.ones_like(mx))
 
 
 # ------------------------------------------------------------------------------------------ Ray shell

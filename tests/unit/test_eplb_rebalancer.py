@@ -65,13 +65,16 @@ def test_schedule_skips_balanced_load_and_acts_on_skew():
     assert st["balancedness"] == pytest.approx(d.after.tolist())
     assert st["rebalances"] == 1 and st["skipped"] == 1 and st["last_seconds"] == 0.02
     # The worker still runs the old placement: the next collection names it for a re-push.
-    measured_before = rb.status()["measured_balancedness"]
+    measured_before = rb.status()["measured_balancedness_last"]
     assert measured_before == pytest.approx(d.before.tolist(), abs=0.02)
     assert rb.observe({"a": w.run(SKEW).reading()}, 21.0) == ["a"]
     w.phy2log = d.placement.phy2log.clone()
     assert rb.observe({"a": w.run(SKEW).reading()}, 22.0) == []
     # The measured per-rank load of the last interval is what the placement promised.
-    assert rb.status()["measured_balancedness"] == pytest.approx(d.after.tolist(), abs=0.02)
+    assert rb.status()["measured_balancedness_last"] == pytest.approx(d.after.tolist(), abs=0.02)
+    st = rb.status()       # over the window (3): two intervals on the old placement, one on the new
+    assert torch.equal(torch.tensor(st["rank_load"]), rb.rank_window.total())
+    assert st["measured_balancedness"] != st["measured_balancedness_last"]
     g = eplb_gauges(rb.status())
     assert g["strata_eplb_rebalances_total"] == 1 and 'strata_eplb_rank_load|{rank="3"}' in g
     assert g['strata_eplb_balancedness|{layer="1"}'] == pytest.approx(float(d.after[1]))
