@@ -64,7 +64,7 @@ class Engine:
         self.moe_layers = [layer.mlp for layer in self.model.model.layers]
         if cfg.eplb is not None:
             moe_slots.enable_slots(self.moe_layers, cfg.eplb.num_ranks, cfg.eplb.num_redundant_experts,
-                                   select_dispatch(cfg.eplb.dispatch))
+                                   select_dispatch(cfg.eplb.dispatch, local_ranks=cfg.eplb.num_ranks))
         try:
             self.tokenizer: TextTokenizer | None = TextTokenizer(path)
         except ValueError:

@@ -140,14 +140,17 @@ def deep_ep_available() -> tuple[bool, str]:
     return True, ""
 
 
-def select_dispatch(backend: str = "auto", dense: bool | None = None) -> Dispatch:
+def select_dispatch(backend: str = "auto", dense: bool | None = None, local_ranks: int = 1) -> Dispatch:
     """The dispatch for ``backend`` ("auto": DeepEP where usable, else torch; "torch"; "deep_ep").
-    DeepEP that cannot be used falls back to torch with a log line naming the reason."""
+    ``local_ranks``: EP ranks this process holds the slots of; DeepEP needs exactly one. DeepEP that
+    cannot be used falls back to torch with a log line naming the reason."""
     if backend not in BACKENDS:
         raise ValueError(f"dispatch backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
         return TorchDispatch(dense)
     ok, why = deep_ep_available()
+    if ok and local_ranks != 1:
+        ok, why = False, f"this process holds the slots of {local_ranks} ranks; DeepEP needs one per process"
     if ok:
         try:
             return DeepEPDispatch()

@@ -97,7 +97,7 @@ def test_bad_placements_raise_and_change_nothing():
         moe_slots.apply_placement([make_moe(8, 2, 1)], torch.arange(8).view(1, 8))
 
 
-def test_dispatch_falls_back_to_torch_when_deep_ep_is_missing(caplog):
+def test_dispatch_falls_back_to_torch_when_deep_ep_is_missing(caplog, monkeypatch):
     ok, why = moe_dispatch.deep_ep_available()
     assert not ok and why         # no deep_ep (nor CUDA) on this machine
     with caplog.at_level(logging.INFO, logger="strata.moe"):
@@ -107,6 +107,12 @@ def test_dispatch_falls_back_to_torch_when_deep_ep_is_missing(caplog):
     assert rec and rec[-1].levelno == logging.WARNING and "using the torch path" in rec[-1].getMessage()
     assert "deep_ep" in rec[-1].getMessage() or "CUDA" in rec[-1].getMessage()
     assert isinstance(select_dispatch("auto"), TorchDispatch)
+    # Even where deep_ep works, an engine holding several ranks' slots in one process stays on torch.
+    monkeypatch.setattr(moe_dispatch, "deep_ep_available", lambda: (True, ""))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="strata.moe"):
+        assert isinstance(select_dispatch("deep_ep", local_ranks=4), TorchDispatch)
+    assert "needs one per process" in caplog.records[-1].getMessage()
     assert isinstance(select_dispatch("torch"), TorchDispatch)
     with pytest.raises(ValueError, match="dispatch"):
         select_dispatch("nccl")
