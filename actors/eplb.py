@@ -198,6 +198,7 @@ class EplbRebalancerActor:
         self.cfg, self.workers, self.timeout = cfg, dict(workers), call_timeout
         self.logic = EplbRebalancer(cfg, num_layers, num_logical, time.monotonic())
         self._lock = threading.Lock()
+        self._status = self.logic.status()   # a snapshot, so status() never waits for a cycle
         self._stop = threading.Event()
         # A thread started here, so a restarted actor resumes its schedule without anyone calling it.
         threading.Thread(target=self._loop, name="strata-eplb", daemon=True).start()
@@ -207,6 +208,7 @@ class EplbRebalancerActor:
             try:
                 with self._lock:
                     self._cycle(force=False)
+                    self._status = self.logic.status()
             except Exception as e:  # a worker may be restarting: try again next time
                 log.warning("eplb cycle failed: %r", e)
 
@@ -244,11 +246,13 @@ class EplbRebalancerActor:
     def trigger(self) -> dict:
         """Collect and rebalance now (``strata rebalance``)."""
         with self._lock:
-            return self._cycle(force=True)
+            report = self._cycle(force=True)
+            self._status = self.logic.status()
+            return report
 
     def status(self) -> dict:
-        with self._lock:
-            return self.logic.status()
+        """The state after the last cycle (EplbRebalancer.status)."""
+        return self._status
 
     def stop(self) -> None:
         self._stop.set()
