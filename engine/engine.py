@@ -306,8 +306,12 @@ class Engine:
         bad placement or without slots. -> {"moved_slots": n, "seconds": t}."""
         if self.cfg.eplb is None:
             raise ValueError("apply_placement: the engine has no expert slots (EngineConfig.eplb is None)")
+        try:
+            phy2log = torch.as_tensor(phy2log)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"apply_placement: phy2log is not a [layers, slots] tensor of ints: {e}") from None
         t = time.perf_counter()
-        moved = moe_slots.apply_placement(self.moe_layers, torch.as_tensor(phy2log))
+        moved = moe_slots.apply_placement(self.moe_layers, phy2log)
         return {"moved_slots": moved, "seconds": time.perf_counter() - t}
 
     # ---- introspection -----------------------------------------------------------------------

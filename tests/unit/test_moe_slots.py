@@ -182,3 +182,7 @@ def test_engine_eplb_config_errors():
     assert eng.expert_load().shape == (4, 8)
     with pytest.raises(ValueError, match="no expert slots"):
         eng.apply_placement(torch.zeros(4, 8, dtype=torch.int64))
+    slotted = Engine(EngineConfig(page_size=8, num_pages=64, eplb=EplbConfig(num_ranks=2)))
+    for bad in ("x", [[0, 1], [2]], torch.zeros(4, 8, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="phy2log"):
+            slotted.apply_placement(bad)
