@@ -127,7 +127,51 @@ class RayBackend:
             out[f"strata_worker_queued_tokens|{lab}"] = load.get("queued_tokens", 0)
             out[f"strata_kv_pages_free|{lab}"] = load.get("free_pages", 0)
             out[f"strata_kv_pages_total|{lab}"] = load.get("total_pages", 0)
+        out.update(await self._eplb_gauges())
         return out
+
+    async def _eplb_gauges(self) -> dict:
+        """The EPLB rebalancer's status, when one runs (found by name, looked up at most every 10 s)."""
+        loop = asyncio.get_running_loop()
+        eplb = getattr(self, "_eplb", None)
+        if eplb is None and loop.time() >= getattr(self, "_eplb_next_lookup", 0.0):
+            self._eplb_next_lookup = loop.time() + 10.0
+            eplb = self._eplb = await loop.run_in_executor(None, _find_eplb)
+        if eplb is None:
+            return {}
+        try:
+            st = await asyncio.wait_for(eplb.status.remote(), 2)
+        except Exception:
+            self._eplb = None
+            return {}
+        return eplb_gauges(st)
+
+
+def _find_eplb():
+    from actors.eplb import ACTOR_NAME
+    try:
+        for a in ray.util.list_named_actors(all_namespaces=True):
+            if a["name"] == ACTOR_NAME:
+                return ray.get_actor(ACTOR_NAME, namespace=a["namespace"])
+    except Exception:
+        pass
+    return None
+
+
+def eplb_gauges(st: dict) -> dict:
+    """Prometheus gauges from EplbRebalancerActor.status()."""
+    out = {"strata_eplb_rebalances_total": st["rebalances"], "strata_eplb_skipped_total": st["skipped"],
+           "strata_eplb_rebalance_seconds": st["last_seconds"],
+           "strata_eplb_apply_seconds": st["last_apply_seconds"],
+           "strata_eplb_rebalance_seconds_total": st["total_seconds"],
+           "strata_eplb_balancedness_mean": st["balancedness_mean"]}
+    for i, b in enumerate(st["balancedness"]):
+        out[f'strata_eplb_balancedness|{{layer="{i}"}}'] = b
+    for i, b in enumerate(st["measured_balancedness"]):
+        out[f'strata_eplb_measured_balancedness|{{layer="{i}"}}'] = b
+    for r, n in enumerate(st["rank_load_total"]):
+        out[f'strata_eplb_rank_load|{{rank="{r}"}}'] = n
+    return out
 
 
 def _unwrap(e: Exception) -> Exception:

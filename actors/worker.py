@@ -79,3 +79,16 @@ class WorkerActor:
 
     async def ping(self) -> str:
         return self.worker_id
+
+    # ---- experts (EPLB) --------------------------------------------------------------------------
+    async def expert_load(self) -> dict | None:
+        """Cumulative expert counters, read on the engine thread between steps (None without slots):
+        {"logical": [L, E], "slot_counts": [L, P], "phy2log": [L, P], "num_ranks": R, "steps": n}."""
+        def read(e: Engine) -> dict | None:
+            slots = e.expert_slots()
+            return None if slots is None else {"logical": e.expert_load(), **slots, "steps": e.counters["steps"]}
+        return await self.core.call(read)
+
+    async def apply_placement(self, phy2log) -> dict:
+        """Swaps the expert weights to phy2log [L, P] between two steps: {"moved_slots", "seconds"}."""
+        return await self.core.call(lambda e: e.apply_placement(phy2log))

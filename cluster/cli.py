@@ -3,6 +3,7 @@
     strata serve [--config YAML]       # local Ray cluster + HTTP on 127.0.0.1:8000
     strata demo [--prompt TEXT ...]    # offline generation through the Engine API
     strata bench [--quick]             # engine throughput table (bench/engine.py)
+    strata rebalance [--address ADDR]  # rebalance the experts of a running cluster now (EPLB)
 """
 from __future__ import annotations
 
@@ -49,6 +50,55 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rebalance(args: argparse.Namespace) -> int:
+    """Ask the running cluster's EPLB rebalancer to rebalance now; print balancedness per layer."""
+    import os
+
+    from cluster import launch  # noqa: F401  (sets the Ray environment before ray is imported)
+    from cluster.config import load_config
+    import ray
+
+    from actors.eplb import ACTOR_NAME
+    cfg = load_config(args.config)
+    ns = cfg.ray.namespace
+    started = False
+    if not ray.is_initialized():
+        address = args.address or os.environ.get("RAY_ADDRESS") or cfg.ray.address
+        if not address:
+            print("strata: error: no cluster to talk to: pass --address (the Ray address `strata serve` "
+                  "printed) or set RAY_ADDRESS", file=sys.stderr)
+            return 2
+        try:
+            ray.init(address=address, namespace=ns, log_to_driver=False)
+        except Exception as e:
+            print(f"strata: error: cannot connect to a Ray cluster at {address}: {e}", file=sys.stderr)
+            return 1
+        started = True
+    try:
+        try:
+            actor = ray.get_actor(ACTOR_NAME, namespace=ns)
+        except ValueError:
+            print(f"strata: error: no EPLB rebalancer ({ACTOR_NAME}) in namespace {ns!r}: is a cluster running "
+                  "with engine.eplb set in its config?", file=sys.stderr)
+            return 1
+        rep = ray.get(actor.trigger.remote(), timeout=args.timeout)
+        st = ray.get(actor.status.remote(), timeout=args.timeout)
+    finally:
+        if started:
+            ray.shutdown()
+    print(f"{'layer':>5}  {'before':>7}  {'after':>7}")
+    for i, (b, a) in enumerate(zip(rep["before"], rep["after"])):
+        print(f"{i:>5}  {b:>7.3f}  {a:>7.3f}")
+    mean = lambda v: sum(v) / len(v)  # noqa: E731
+    print(f"{'mean':>5}  {mean(rep['before']):>7.3f}  {mean(rep['after']):>7.3f}")
+    if rep["applied"]:
+        print(f"strata: rebalanced {rep['workers']} workers in {rep['seconds'] * 1e3:.1f} ms "
+              f"({rep['moved_slots']} slots moved; {st['rebalances']} rebalances so far)")
+    else:
+        print(f"strata: placement kept: {rep['reason']}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="strata", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="engine throughput table")
     b.add_argument("--quick", action="store_true")
     b.set_defaults(fn=_bench)
+    r = sub.add_parser("rebalance", help="rebalance the experts of a running cluster now (EPLB)")
+    r.add_argument("--config", default=None, help="the cluster's YAML (for its Ray namespace)")
+    r.add_argument("--address", default=None, help="Ray address of the cluster (default: RAY_ADDRESS)")
+    r.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the rebalance")
+    r.set_defaults(fn=_rebalance)
     args = ap.parse_args(argv)
     try:
         return args.fn(args)

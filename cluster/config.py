@@ -11,6 +11,7 @@ import yaml
 
 from actors.routing import RouterConfig
 from engine.config import EngineConfig
+from engine.eplb import EplbConfig
 from storage.config import HiCacheConfig
 from storage.l3.config import L3Config, MooncakeConfig, NixlConfig
 
@@ -112,6 +113,7 @@ _NESTED = {(HiCacheConfig, "l3"): L3Config, (L3Config, "mooncake"): MooncakeConf
            (L3Config, "nixl"): NixlConfig, (ClusterConfig, "engine"): EngineConfig, (ClusterConfig, "workers"): WorkersConfig,
            (ClusterConfig, "router"): RouterConfig, (ClusterConfig, "server"): ServerConfig,
            (ClusterConfig, "ray"): RayConfig, (EngineConfig, "hicache"): HiCacheConfig}
+_NESTED[(EngineConfig, "eplb")] = EplbConfig
 
 
 def from_dict(data: dict) -> ClusterConfig:

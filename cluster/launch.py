@@ -34,6 +34,7 @@ from ray import serve  # noqa: E402
 from ray.util.placement_group import placement_group  # noqa: E402
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
 
+from actors.eplb import start_rebalancer  # noqa: E402
 from actors.ingress import Ingress  # noqa: E402
 from actors.router import PrefixRouterActor  # noqa: E402
 from actors.worker import WorkerActor  # noqa: E402
@@ -111,9 +112,12 @@ def start_actors(cfg: ClusterConfig, detached: bool = False, ready_timeout: floa
         time.sleep(0.1)
     else:
         raise TimeoutError("workers did not report to the router in time")
+    eplb = (start_rebalancer(cfg.engine.eplb, workers, mc.num_hidden_layers, mc.num_local_experts, detached)
+            if cfg.engine.eplb is not None else None)
     s = cfg.server
     return {"router": router, "workers": workers, "placement_group": pg,
-            "url": f"http://{s.host}:{s.port}", "model_path": str(path), "model_config": mc}
+            "url": f"http://{s.host}:{s.port}", "model_path": str(path), "model_config": mc,
+            "eplb": eplb}
 
 
 def ingress_app(cfg: ClusterConfig, handles: dict, ingress_cls=Ingress):
@@ -134,6 +138,8 @@ def shutdown(handles: dict | None = None) -> None:
     if handles:
         for a in list(handles["workers"].values()) + [handles["router"]]:
             ray.kill(a, no_restart=True)
+        if handles.get("eplb") is not None:
+            ray.kill(handles["eplb"], no_restart=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     handles = deploy(cfg, detached=args.detach)
     print(f"strata: serving {cfg.server.model_name} at {handles['url']} "
           f"({len(handles['workers'])} workers: {', '.join(handles['workers'])})", flush=True)
+    print(f"strata: Ray at {ray.get_runtime_context().gcs_address} (namespace {cfg.ray.namespace})", flush=True)
     if args.detach:
         return 0
     try:

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.eplb import EplbConfig
 from storage.config import HiCacheConfig, KVPoolConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -26,6 +27,7 @@ class EngineConfig:
     torch_threads: int = 0               # intra-op threads for this process; 0 keeps torch's default
     enable_prefix_cache: bool = False
     hicache: HiCacheConfig | None = None  # the L2 host tier; None keeps the cache in L1 only
+    eplb: EplbConfig | None = None       # expert slots + rebalancer knobs; None: logical experts only
 
     def __post_init__(self) -> None:
         KVPoolConfig(self.page_size, self.num_pages, self.swa_full_ratio)  # validates those fields
@@ -41,6 +43,8 @@ class EngineConfig:
             raise ValueError("hicache must be a HiCacheConfig")
         if self.hicache is not None and not self.enable_prefix_cache:
             raise ValueError("hicache needs enable_prefix_cache=True")
+        if self.eplb is not None and not isinstance(self.eplb, EplbConfig):
+            raise ValueError("eplb must be an EplbConfig")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device != "auto":

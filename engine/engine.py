@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Sequence, Union
 
@@ -11,6 +12,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.model.loader import load_model, resolve_model_path
+from engine.model.moe_dispatch import select_dispatch
+from engine.model import moe_slots
 from engine.model.tokenizer import TextTokenizer
 from engine.request import Request, Status
 from engine.runner import ModelRunner
@@ -58,6 +61,10 @@ class Engine:
         self.model_path = path
         self.model_config, self.model = load_model(path, cfg.torch_dtype, self.device)
         mc = self.model_config
+        self.moe_layers = [layer.mlp for layer in self.model.model.layers]
+        if cfg.eplb is not None:
+            moe_slots.enable_slots(self.moe_layers, cfg.eplb.num_ranks, cfg.eplb.num_redundant_experts,
+                                   select_dispatch(cfg.eplb.dispatch, local_ranks=cfg.eplb.num_ranks))
         try:
             self.tokenizer: TextTokenizer | None = TextTokenizer(path)
         except ValueError:
@@ -277,6 +284,35 @@ class Engine:
         for r in rids:
             self.requests.pop(r, None)  # finished: keep nothing per request past its output
         return outs
+
+    # ---- experts (EPLB) ----------------------------------------------------------------------
+    def expert_load(self) -> torch.Tensor:
+        """Tokens routed per logical expert since start [layers, experts] int64 (a copy)."""
+        return torch.stack([m.expert_counts for m in self.moe_layers]).cpu()
+
+    def expert_slots(self) -> dict | None:
+        """The slot placement and what each slot served since start, or None without slots:
+        {"phy2log": [L, P], "slot_counts": [L, P] int64, "num_ranks": R}."""
+        if self.cfg.eplb is None:
+            return None
+        return {"phy2log": torch.stack([m.slots.phy2log for m in self.moe_layers]).cpu(),
+                "slot_counts": torch.stack([m.slots.slot_counts for m in self.moe_layers]).cpu(),
+                "num_ranks": self.cfg.eplb.num_ranks}
+
+    def apply_placement(self, phy2log: torch.Tensor) -> dict:
+        """Moves the expert weights to the placement phy2log [L, P] (engine/eplb.py): every changing
+        slot's weights are copied first, then all layers switch their mapping. Call between steps
+        (AsyncEngine.call does). Outputs do not change. Raises ValueError (and changes nothing) on a
+        bad placement or without slots. -> {"moved_slots": n, "seconds": t}."""
+        if self.cfg.eplb is None:
+            raise ValueError("apply_placement: the engine has no expert slots (EngineConfig.eplb is None)")
+        try:
+            phy2log = torch.as_tensor(phy2log)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"apply_placement: phy2log is not a [layers, slots] tensor of ints: {e}") from None
+        t = time.perf_counter()
+        moved = moe_slots.apply_placement(self.moe_layers, phy2log)
+        return {"moved_slots": moved, "seconds": time.perf_counter() - t}
 
     # ---- introspection -----------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -25,7 +25,12 @@ class EplbConfig:
     """The rebalancer's knobs (cluster YAML ``eplb:``). A rebalance is due every ``interval_seconds`` or
     every ``interval_steps`` forward passes, whichever comes first (0 disables that trigger); it uses the
     loads of the last ``window`` intervals and is applied only when the current balancedness is under
-    ``threshold`` and the new placement improves on it."""
+    ``threshold`` and the new placement improves on it.
+
+    The engine reads the slot layout (``num_ranks`` x (E + ``num_redundant_experts``) / ``num_ranks``
+    slots) and ``dispatch`` ("auto", "torch", "deep_ep"); the rebalancer reads the rest: it collects the
+    workers' counters every ``collect_seconds`` (one window interval) and acts on its own schedule only
+    when ``auto`` (``strata rebalance`` triggers it by hand either way)."""
     num_redundant_experts: int = 0
     num_ranks: int = 1
     num_groups: int = 1
@@ -34,6 +39,9 @@ class EplbConfig:
     interval_seconds: float = 60.0
     interval_steps: int = 0
     threshold: float = 0.9
+    auto: bool = True
+    collect_seconds: float = 1.0
+    dispatch: str = "auto"
 
     def __post_init__(self) -> None:
         for name, lo in (("num_redundant_experts", 0), ("num_ranks", 1), ("num_groups", 1), ("num_nodes", 1),
@@ -52,6 +60,13 @@ class EplbConfig:
             raise ValueError("EplbConfig.interval_seconds and interval_steps are both 0: nothing would trigger")
         if not isinstance(self.threshold, (int, float)) or not 0 < self.threshold <= 1:
             raise ValueError(f"EplbConfig.threshold must be in (0, 1], got {self.threshold!r}")
+        if not isinstance(self.auto, bool):
+            raise ValueError(f"EplbConfig.auto must be a bool, got {self.auto!r}")
+        if isinstance(self.collect_seconds, bool) or not isinstance(self.collect_seconds, (int, float)) \
+                or not self.collect_seconds > 0:
+            raise ValueError(f"EplbConfig.collect_seconds must be > 0, got {self.collect_seconds!r}")
+        if self.dispatch not in ("auto", "torch", "deep_ep"):
+            raise ValueError(f"EplbConfig.dispatch must be auto, torch or deep_ep, got {self.dispatch!r}")
 
     def num_replicas(self, num_logical: int) -> int:
         return num_logical + self.num_redundant_experts
@@ -275,6 +290,40 @@ def rebalance_placement(weight: torch.Tensor, cfg: EplbConfig) -> Placement:
     """``rebalance`` with the knobs of ``cfg``, as a Placement."""
     p = rebalance(weight, cfg.num_replicas(weight.shape[-1]), cfg.num_groups, cfg.num_nodes, cfg.num_ranks)
     return Placement(*p)
+
+
+def align_placement(current: torch.Tensor, new: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """new phy2log [L, P] relabelled to move as few expert weights as possible from current [L, P]:
+    ranks are matched greedily (the pair sharing the most experts first) and, within a rank, a slot keeps
+    its expert whenever the new rank holds that expert too. Rank loads (hence balancedness) are those of
+    ``new``: only which rank is called which, and the order of slots inside a rank, change."""
+    if current.shape != new.shape or current.dim() != 2 or current.shape[1] % num_ranks:
+        raise ValueError(f"shapes: current {tuple(current.shape)}, new {tuple(new.shape)}, ranks {num_ranks}")
+    L, P = new.shape
+    S, E = P // num_ranks, int(max(current.max(), new.max())) + 1
+    out = torch.empty_like(new)
+    for layer in range(L):
+        cur_r, new_r = current[layer].view(num_ranks, S), new[layer].view(num_ranks, S)
+        hist = lambda rows: torch.zeros(num_ranks, E, dtype=torch.int64).scatter_add_(  # noqa: E731
+            1, rows, torch.ones_like(rows))
+        overlap = torch.minimum(hist(cur_r)[:, None, :], hist(new_r)[None, :, :]).sum(-1)   # [cur, new]
+        target = torch.empty(num_ranks, dtype=torch.int64)        # new rank j -> current rank target[j]
+        for _ in range(num_ranks):
+            i, j = divmod(int(overlap.argmax()), num_ranks)
+            target[j] = i
+            overlap[i, :], overlap[:, j] = -1, -1
+        for j in range(num_ranks):
+            keep, todo = cur_r[target[j]].tolist(), new_r[j].tolist()
+            row = [-1] * S
+            for pos, e in enumerate(keep):          # a slot keeps its expert when the new rank has it
+                if e in todo:
+                    row[pos] = e
+                    todo.remove(e)
+            for pos in range(S):
+                if row[pos] < 0:
+                    row[pos] = todo.pop(0)
+            out[layer, target[j] * S:(target[j] + 1) * S] = torch.tensor(row, dtype=new.dtype)
+    return out
 
 
 def rank_loads(weight: torch.Tensor, phy2log: torch.Tensor, logcnt: torch.Tensor, num_ranks: int

@@ -69,8 +69,8 @@ def test_batched_equals_one_at_a_time():
 
 def test_per_expert_dispatch_path_matches_transformers(monkeypatch, tmp_path):
     """Large models dispatch tokens expert by expert instead of the dense tiny-model path."""
-    import engine.model.moe as moe
-    monkeypatch.setattr(moe, "DENSE_MAX_ELEMS", 0)
+    import engine.model.moe_dispatch as moe_dispatch
+    monkeypatch.setattr(moe_dispatch, "DENSE_MAX_ELEMS", 0)
     cfg = tiny_config(sliding_window=16, num_local_experts=16, num_experts_per_tok=4)
     save_checkpoint(tmp_path, cfg, random_state_dict(cfg, seed=11))
     eng = Engine.from_pretrained(str(tmp_path), page_size=4, num_pages=256, max_batch_tokens=32)

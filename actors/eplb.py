@@ -1,0 +1,266 @@
+"""The EPLB rebalancer: ``EplbRebalancer`` (the logic, no Ray, time passed in) and its Ray shell
+``EplbRebalancerActor`` (named ``strata-eplb``).
+
+Every ``collect_seconds`` the shell reads each worker's cumulative expert counters; the logic turns two
+reads into one interval's load (``interval_counts``: a worker restart resets its counters), sums the
+workers and keeps the last ``window`` intervals (``LoadWindow``). When a rebalance is due (every
+``interval_seconds`` or ``interval_steps`` forward passes summed over workers, if ``auto``) or asked for
+(``trigger``, i.e. ``strata rebalance``), it computes a placement on the window's load and applies it
+only when the current balancedness is under ``threshold`` and the new one is better; the shell then
+pushes it to every worker, which swaps weights between two steps. A worker whose placement differs from
+the current one (it restarted) gets the current placement again at the next collection.
+
+Shapes: L layers, E logical experts, P physical slots, R ranks (EplbConfig.num_ranks).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import ray
+import torch
+
+from engine.eplb import (EplbConfig, LoadWindow, Placement, align_placement, balancedness,
+                         identity_placement, interval_counts, rebalance_placement, should_rebalance)
+
+log = logging.getLogger("strata.eplb")
+
+ACTOR_NAME = "strata-eplb"
+
+
+@dataclass
+class Decision:
+    """One evaluation: whether to apply ``placement``; balancedness per layer [L] of the current
+    placement (before) and of the new one (after) on the window's load."""
+    apply: bool
+    reason: str
+    placement: Placement | None
+    before: torch.Tensor
+    after: torch.Tensor
+
+    def report(self, seconds: float = 0.0, moved_slots: int = 0, workers: int = 0) -> dict:
+        return {"applied": self.apply, "reason": self.reason, "before": self.before.tolist(),
+                "after": self.after.tolist(), "seconds": seconds, "moved_slots": moved_slots,
+                "workers": workers}
+
+
+@dataclass
+class _Prev:
+    logical: torch.Tensor
+    slots: torch.Tensor
+    steps: int
+
+
+@dataclass
+class EplbRebalancer:
+    """The rebalancer's state and decisions; every method takes ``now`` (seconds, caller's clock)."""
+    cfg: EplbConfig
+    num_layers: int
+    num_logical: int
+    now: float
+    placement: Placement = field(init=False)
+    window: LoadWindow = field(init=False)
+
+    def __post_init__(self) -> None:
+        c = self.cfg
+        if self.num_logical % c.num_ranks:
+            raise ValueError(f"eplb.num_ranks ({c.num_ranks}) must divide the model's {self.num_logical} experts")
+        self.placement = identity_placement(self.num_layers, self.num_logical, c.num_ranks,
+                                            c.num_redundant_experts // c.num_ranks)
+        self.window = LoadWindow(c.window)
+        self.prev: dict[str, _Prev] = {}
+        self.steps = 0                         # forward passes, summed over workers
+        self.last_time, self.last_step = float(self.now), 0
+        R = c.num_ranks
+        self.rank_load = torch.zeros(self.num_layers, R, dtype=torch.int64)   # last interval, measured
+        self.rank_window = LoadWindow(c.window)                                # ... and the last window
+        self.rebalances = self.skipped = 0
+        self.last_seconds = self.total_seconds = self.last_apply_seconds = 0.0
+        self.last: dict | None = None
+        self.last_applied: dict | None = None
+
+    # ---- observing -----------------------------------------------------------------------------
+    def observe(self, readings: dict[str, dict], now: float) -> list[str]:
+        """Adds one interval from the workers' readings ({"logical": [L, E], "slot_counts": [L, P],
+        "phy2log": [L, P], "steps": int}, cumulative); returns the workers whose placement is not the
+        current one (to push it again)."""
+        L, E, P = self.num_layers, self.num_logical, self.placement.num_physical
+        load = torch.zeros(L, E, dtype=torch.int64)
+        slots = torch.zeros(L, P, dtype=torch.int64)
+        stale = []
+        for w, r in sorted(readings.items()):
+            cur = _Prev(torch.as_tensor(r["logical"]).to(torch.int64),
+                        torch.as_tensor(r["slot_counts"]).to(torch.int64), int(r["steps"]))
+            if cur.logical.shape != (L, E) or cur.slots.shape != (L, P):
+                raise ValueError(f"worker {w}: counters {tuple(cur.logical.shape)}/{tuple(cur.slots.shape)}, "
+                                 f"expected {(L, E)}/{(L, P)}")
+            prev = self.prev.get(w)
+            if prev is None or cur.steps < prev.steps:   # new, or restarted: it counted all since start
+                prev = _Prev(torch.zeros_like(cur.logical), torch.zeros_like(cur.slots), 0)
+            load += interval_counts(prev.logical, cur.logical)
+            slots += interval_counts(prev.slots, cur.slots)
+            self.steps += cur.steps - prev.steps
+            self.prev[w] = cur
+            if not torch.equal(torch.as_tensor(r["phy2log"]).to(torch.int64), self.placement.phy2log):
+                stale.append(w)
+        self.window = self.window.push(load, now)
+        self.rank_load = slots.view(L, self.cfg.num_ranks, -1).sum(-1)
+        self.rank_window = self.rank_window.push(self.rank_load, now)
+        return stale
+
+    def due(self, now: float) -> bool:
+        return self.cfg.auto and self.cfg.is_due(now, self.steps, self.last_time, self.last_step)
+
+    # ---- deciding ------------------------------------------------------------------------------
+    def current_balancedness(self) -> torch.Tensor:
+        """Per layer [L] of the current placement on the window's load (1.0 with no load yet)."""
+        if not len(self.window):
+            return torch.ones(self.num_layers, dtype=torch.float64)
+        p = self.placement
+        return balancedness(self.window.total(), p.phy2log, p.logcnt, self.cfg.num_ranks)
+
+    def plan(self, now: float, force: bool = False) -> Decision:
+        """Evaluates a rebalance now. ``force`` (a manual trigger) skips the threshold, not the need for
+        a better placement. Either way the schedule restarts from ``now``."""
+        self.last_time, self.last_step = float(now), self.steps
+        before = self.current_balancedness()
+        if not len(self.window) or int(self.window.total().sum()) == 0:
+            return Decision(False, "no expert load recorded yet", None, before, before)
+        new = rebalance_placement(self.window.total(), self.cfg)
+        # Same rank loads, fewer weights to move: keep experts where they already are when possible.
+        new = Placement.from_phy2log(align_placement(self.placement.phy2log, new.phy2log, self.cfg.num_ranks),
+                                     self.num_logical)
+        after = balancedness(self.window.total(), new.phy2log, new.logcnt, self.cfg.num_ranks)
+        b, a = float(before.mean()), float(after.mean())
+        if force:
+            ok, why = a > b, f"no better placement (balancedness {b:.3f})"
+        else:
+            ok = should_rebalance(before, after, self.cfg.threshold)
+            why = (f"balanced enough ({b:.3f} >= threshold {self.cfg.threshold})" if b >= self.cfg.threshold
+                   else f"no better placement (balancedness {b:.3f})")
+        if not ok:
+            return Decision(False, why, None, before, before)
+        return Decision(True, f"balancedness {b:.3f} -> {a:.3f}", new, before, after)
+
+    def applied(self, d: Decision, seconds: float, apply_seconds: float, moved: int, workers: int) -> dict:
+        """Records a placement pushed to the workers (``seconds``: the whole push; ``apply_seconds``:
+        the slowest worker's weight swap)."""
+        self.placement = d.placement
+        self.rebalances += 1
+        self.last_seconds, self.last_apply_seconds = seconds, apply_seconds
+        self.total_seconds += seconds
+        self.last = self.last_applied = d.report(seconds, moved, workers)
+        return self.last
+
+    def skip(self, d: Decision) -> dict:
+        self.skipped += 1
+        self.last = d.report()
+        return self.last
+
+    def status(self) -> dict:
+        """Balancedness per layer of the current placement on the window's logical load, and the load
+        each rank really served (from the slot counters) over the window and in the last interval."""
+        cur = self.current_balancedness()
+        window = self.rank_window.total() if len(self.rank_window) else self.rank_load
+        return {
+            "auto": self.cfg.auto, "num_ranks": self.cfg.num_ranks,
+            "num_physical": self.placement.num_physical, "steps": self.steps,
+            "window_intervals": len(self.window),
+            "rebalances": self.rebalances, "skipped": self.skipped,
+            "last_seconds": self.last_seconds, "last_apply_seconds": self.last_apply_seconds,
+            "total_seconds": self.total_seconds,
+            "balancedness": cur.tolist(), "balancedness_mean": float(cur.mean()),
+            "balancedness_min": float(cur.min()),
+            "rank_load": window.tolist(), "rank_load_total": window.sum(0).tolist(),
+            "measured_balancedness": _balance(window).tolist(),
+            "rank_load_last": self.rank_load.tolist(), "measured_balancedness_last": _balance(self.rank_load).tolist(),
+            "phy2log": self.placement.phy2log.tolist(), "last": self.last, "last_applied": self.last_applied,
+        }
+
+
+def _balance(rank_load: torch.Tensor) -> torch.Tensor:
+    """Mean / max over ranks per layer of rank_load [L, R] (1.0 for a layer with no load)."""
+    rl = rank_load.to(torch.float64)
+    mx = rl.max(1).values
+    return torch.where(mx > 0, rl.mean(1) / mx.clamp_min(1e-300), torch.ones_like(mx))
+
+
+# ------------------------------------------------------------------------------------------ Ray shell
+
+@ray.remote(max_restarts=-1, max_task_retries=-1, max_concurrency=4)
+class EplbRebalancerActor:
+    """Runs ``EplbRebalancer`` on its schedule against the workers ({worker_id: WorkerActor handle})."""
+
+    def __init__(self, cfg: EplbConfig, workers: dict, num_layers: int, num_logical: int,
+                 call_timeout: float = 60.0) -> None:
+        self.cfg, self.workers, self.timeout = cfg, dict(workers), call_timeout
+        self.logic = EplbRebalancer(cfg, num_layers, num_logical, time.monotonic())
+        self._lock = threading.Lock()
+        self._status = self.logic.status()   # a snapshot, so status() never waits for a cycle
+        self._stop = threading.Event()
+        # A thread started here, so a restarted actor resumes its schedule without anyone calling it.
+        threading.Thread(target=self._loop, name="strata-eplb", daemon=True).start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.cfg.collect_seconds):
+            try:
+                with self._lock:
+                    self._cycle(force=False)
+                    self._status = self.logic.status()
+            except Exception as e:  # a worker may be restarting: try again next time
+                log.warning("eplb cycle failed: %r", e)
+
+    def _gather(self, refs: dict) -> dict:
+        out = {}
+        for w, ref in refs.items():
+            try:
+                out[w] = ray.get(ref, timeout=self.timeout)
+            except Exception as e:
+                log.warning("eplb: worker %s did not answer: %r", w, e)
+        return out
+
+    def _push(self, phy2log: torch.Tensor, workers: list[str]) -> dict:
+        return self._gather({w: self.workers[w].apply_placement.remote(phy2log) for w in workers})
+
+    def _cycle(self, force: bool) -> dict | None:
+        readings = self._gather({w: h.expert_load.remote() for w, h in self.workers.items()})
+        readings = {w: r for w, r in readings.items() if r is not None}
+        stale = self.logic.observe(readings, time.monotonic())
+        if stale:
+            self._push(self.logic.placement.phy2log, stale)
+        now = time.monotonic()
+        if not force and not self.logic.due(now):
+            return None
+        d = self.logic.plan(now, force)
+        if not d.apply:
+            return self.logic.skip(d)
+        t = time.perf_counter()
+        res = self._push(d.placement.phy2log, list(self.workers))
+        seconds = time.perf_counter() - t
+        log.info("eplb: %s on %d/%d workers in %.3fs", d.reason, len(res), len(self.workers), seconds)
+        return self.logic.applied(d, seconds, max((r["seconds"] for r in res.values()), default=0.0),
+                                  max((r["moved_slots"] for r in res.values()), default=0), len(res))
+
+    def trigger(self) -> dict:
+        """Collect and rebalance now (``strata rebalance``)."""
+        with self._lock:
+            report = self._cycle(force=True)
+            self._status = self.logic.status()
+            return report
+
+    def status(self) -> dict:
+        """The state after the last cycle (EplbRebalancer.status)."""
+        return self._status
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def start_rebalancer(cfg: EplbConfig, workers: dict, num_layers: int, num_logical: int,
+                     detached: bool = False):
+    """Starts (or finds) the ``strata-eplb`` actor; returns its handle."""
+    life = {"lifetime": "detached"} if detached else {}
+    return EplbRebalancerActor.options(name=ACTOR_NAME, num_cpus=0, get_if_exists=True, **life).remote(
+        cfg, workers, num_layers, num_logical)
