@@ -79,7 +79,7 @@ def deploy(cfg: ClusterConfig, detached: bool = False, ready_timeout: float = 12
         workers[wid] = WorkerActor.options(
             name=f"strata-{wid}", num_cpus=w.num_cpus, num_gpus=w.num_gpus, **life,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-        ).remote(wid, role, engine_cfg, router)
+        ).remote(wid, role, engine_cfg, router, transfer_cfg=cfg.transfer)
     ray.get([a.start.remote() for a in workers.values()], timeout=ready_timeout)
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
