@@ -6,6 +6,7 @@ report after a (re)start says ``fresh`` so the router forgets what a previous in
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -128,6 +129,14 @@ class WorkerActor:
                 raise
         async for item in self.core.decode_leased(ids, lease_id, receipt, params, time.monotonic(), fill):
             yield item
+
+    async def set_transfer_options(self, **changes) -> dict:
+        """Test hook: change this worker's transfer timings (lease_seconds, transfer_timeout,
+        debug_send_delay, ...) at run time, validated like the YAML; the backend itself stays."""
+        if "backend" in changes:
+            raise ValueError("transfer backend cannot change at run time")
+        self.tcfg = dataclasses.replace(self.tcfg, **changes)
+        return dataclasses.asdict(self.tcfg)
 
     async def transfer_stats(self) -> dict:
         """Leases held (decode) and the backend's counters (staging pages in use on the prefill side)."""

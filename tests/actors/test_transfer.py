@@ -74,33 +74,45 @@ def _used(stats) -> int:
     return sum(p["used"] for p in stats["pool"].values())
 
 
-@pytest.mark.parametrize("backend", ["ray_object", "nixl", "mooncake"])
-def test_greedy_tokens_through_each_backend_equal_engine_generate(ray_cluster, model_path, reference, backend):
-    err = _can_run(backend)
-    if err:
-        pytest.skip(f"{backend} cannot load here: {err}")
-    pre, dec = _pair(model_path, TransferConfig(backend=backend, lease_seconds=60.0, transfer_timeout=30.0,
-                                                staging_pages=512))
-    try:
-        for _round in range(2):   # the second round reuses the cached peer connection
-            assert [_serve(pre, dec, ids) for ids in PROMPTS] == reference
-        for w in (pre, dec):
-            assert _used(ray.get(w.stats.remote())) == 0
-        ts = ray.get(pre.transfer_stats.remote())["backend_stats"]
-        if backend != "ray_object":
-            assert ts["sends"] == 2 * len(PROMPTS) and ts["staging_pages_used"] == 0 and ts["bytes"] > 0
-        assert ray.get(dec.transfer_stats.remote())["leases"]["committed"] == 2 * len(PROMPTS)
-    finally:
-        for w in (pre, dec):
+@pytest.fixture(scope="module")
+def pairs(ray_cluster, model_path):
+    """One (prefill, decode) pair per backend, shared by the tests of this module (in file order)."""
+    made = {}
+
+    def get(backend: str):
+        err = _can_run(backend)
+        if err:
+            pytest.skip(f"{backend} cannot load here: {err}")
+        if backend not in made:
+            made[backend] = _pair(model_path, TransferConfig(backend=backend, lease_seconds=60.0,
+                                                             transfer_timeout=30.0, staging_pages=512))
+        return made[backend]
+    yield get
+    for pair in made.values():
+        for w in pair:
             ray.kill(w)
 
 
-def test_a_stalled_transfer_times_out_cleanly_and_frees_both_sides(ray_cluster, model_path):
+@pytest.mark.parametrize("backend", ["ray_object", "nixl", "mooncake"])
+def test_greedy_tokens_through_each_backend_equal_engine_generate(pairs, reference, backend):
+    pre, dec = pairs(backend)
+    for _round in range(2):   # the second round reuses the cached peer connection
+        assert [_serve(pre, dec, ids) for ids in PROMPTS] == reference
+    for w in (pre, dec):
+        assert _used(ray.get(w.stats.remote())) == 0
+    ts = ray.get(pre.transfer_stats.remote())["backend_stats"]
+    if backend != "ray_object":
+        assert ts["sends"] == 2 * len(PROMPTS) and ts["staging_pages_used"] == 0 and ts["bytes"] > 0
+    assert ray.get(dec.transfer_stats.remote())["leases"]["committed"] == 2 * len(PROMPTS)
+
+
+def test_a_stalled_transfer_times_out_cleanly_and_frees_both_sides(pairs):
     from storage.transfer import TransferError
+    pre, dec = pairs("ray_object")
     # The send waits 3 s (test hook) but the lease lasts 2 s: the lease expires on the decode side and the
     # prefill side gives up before sending.
-    pre, dec = _pair(model_path, TransferConfig(lease_seconds=2.0, transfer_timeout=1.5, debug_send_delay=3.0,
-                                                expiry_interval=0.1))
+    ray.get(dec.set_transfer_options.remote(lease_seconds=2.0, transfer_timeout=1.5, expiry_interval=0.1))
+    ray.get(pre.set_transfer_options.remote(lease_seconds=2.0, transfer_timeout=1.5, debug_send_delay=3.0))
     try:
         ids = PROMPTS[1]
         dest = ray.get(dec.reserve.remote(len(ids)), timeout=60)
@@ -121,32 +133,25 @@ def test_a_stalled_transfer_times_out_cleanly_and_frees_both_sides(ray_cluster, 
             assert _used(ray.get(w.stats.remote())) == 0
     finally:
         for w in (pre, dec):
-            ray.kill(w)
+            ray.get(w.set_transfer_options.remote(lease_seconds=60.0, transfer_timeout=30.0, debug_send_delay=0.0))
 
 
 @pytest.mark.parametrize("backend", ["nixl", "mooncake"])
-def test_killing_the_decode_worker_mid_transfer_frees_the_prefill_side(ray_cluster, model_path, backend):
-    err = _can_run(backend)
-    if err:
-        pytest.skip(f"{backend} cannot load here: {err}")
+def test_killing_the_decode_worker_mid_transfer_frees_the_prefill_side(pairs, backend):
     from storage.transfer import TransferError
+    pre, dec = pairs(backend)
     lease = 20.0
-    pre, dec = _pair(model_path, TransferConfig(backend=backend, lease_seconds=lease, transfer_timeout=10.0,
-                                                debug_send_delay=1.5, staging_pages=512))
-    try:
-        ids = PROMPTS[2]
-        dest = ray.get(dec.reserve.remote(len(ids)), timeout=60)
-        first_ref, _ = pre.prefill_to.remote(ids, SP, dest)
-        time.sleep(0.5)
-        t0 = time.monotonic()
-        ray.kill(dec)                       # dies while the prefill side is about to write
-        with pytest.raises(ray.exceptions.RayTaskError) as ei:
-            ray.get(first_ref, timeout=120)
-        assert isinstance(ei.value.cause, TransferError)
-        assert time.monotonic() - t0 < lease
-        ts = ray.get(pre.transfer_stats.remote())["backend_stats"]
-        assert ts["staging_pages_used"] == 0 and ts["sends"] == 0
-        assert _used(ray.get(pre.stats.remote())) == 0
-    finally:
-        for w in (pre, dec):
-            ray.kill(w)
+    ray.get(pre.set_transfer_options.remote(lease_seconds=lease, transfer_timeout=10.0, debug_send_delay=1.5))
+    ids = PROMPTS[2]
+    dest = ray.get(dec.reserve.remote(len(ids)), timeout=60)
+    first_ref, _ = pre.prefill_to.remote(ids, SP, dest)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    ray.kill(dec)                       # dies while the prefill side is about to write
+    with pytest.raises(ray.exceptions.RayTaskError) as ei:
+        ray.get(first_ref, timeout=120)
+    assert isinstance(ei.value.cause, TransferError)
+    assert time.monotonic() - t0 < lease
+    ts = ray.get(pre.transfer_stats.remote())["backend_stats"]
+    assert ts["staging_pages_used"] == 0 and ts["failed"] + ts["timeouts"] == 1
+    assert _used(ray.get(pre.stats.remote())) == 0
