@@ -76,9 +76,9 @@ class MooncakeBackend(TransferBackend):
             raise TransferError(f"mooncake: staging buffer full: {e}") from None
         try:
             spans = self.staging.spans(full_idx, swa_idx, payload, dest, off)
-        except Exception:
+        except Exception as e:  # noqa: BLE001 - a destination that does not describe our pages
             self.staging.release(send_id)
-            raise
+            raise TransferError(f"mooncake: bad destination from {dest.worker_id}: {e}") from None
         result: dict = {}
         gate = threading.Lock()      # decides, once, who frees the staging pages of an overrun
 

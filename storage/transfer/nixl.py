@@ -73,6 +73,10 @@ class NixlBackend(TransferBackend):
                     now = time.monotonic()
                     for lease_id in got:
                         self._arrived[lease_id] = now
+                    # a notice for a lease that ended before it came is never waited for: drop it later
+                    stale = now - 2 * self.cfg.lease_seconds
+                    for lease_id in [k for k, t in self._arrived.items() if t < stale]:
+                        del self._arrived[lease_id]
                     self._cond.notify_all()
             time.sleep(self.cfg.nixl_progress_s)
 

@@ -190,3 +190,45 @@ def test_reserve_refuses_what_the_pools_cannot_hold():
     dec.check_integrity()
     dec.leases.expire(1.0)
     assert dec.pools.all_free()
+
+
+def test_staging_descriptors_land_each_layer_page_in_the_leased_page():
+    """The address arithmetic of the one-sided backends, with the WRITE done by memmove in-process: the
+    decode engine then produces exactly the tokens of one engine doing both."""
+    import ctypes
+
+    from storage.transfer.base import check_fits, receipt
+    from storage.transfer.staging import Staging, pool_regions
+    sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    prompts = _prompts()
+    want = [o.token_ids for o in Engine.from_pretrained("strata-tiny", page_size=16, num_pages=128).generate(prompts, sp)]
+    pre = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=128)
+    dec = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=128, poison_kv=True)
+    dec.reserve_kv("pad", 40, 0.0, 10.0)      # so leased page indices are not simply 0, 1, 2...
+    staging = Staging(256, pre.pools)
+    rids = [pre.add_request(p, sp, prefill_only=True) for p in prompts]
+    while pre.has_unfinished():
+        pre.step()
+    got = []
+    for i, (p, rid) in enumerate(zip(prompts, rids)):
+        kv = pre.requests[rid].kv_payload
+        lease = dec.reserve_kv(f"l{i}", len(p), 0.0, 10.0)
+        dest = _dest(lease, backend="nixl")
+        dest.peer = pool_regions(dec.pools)
+        off = check_fits(kv, dest)
+        full_idx, swa_idx = staging.stage(f"s{i}", kv, 0.0, 5.0)
+        spans = staging.spans(full_idx, swa_idx, kv, dest, off)
+        assert sum(n for _, _, n in spans) == kv.nbytes
+        for src, dst, n in spans:
+            ctypes.memmove(dst, src, n)
+        assert staging.release(f"s{i}")
+        rid2 = dec.add_leased(p, lease.lease_id, receipt(kv), sp, now=1.0)
+        while dec.has_unfinished():
+            dec.step()
+        got.append(dec.pop_finished(rid2).token_ids)
+        dec.check_integrity()
+    assert got == want
+    staging.check_integrity()
+    assert staging.stats()["staging_pages_used"] == 0
+    dec.leases.cancel("pad")
+    assert dec.pools.all_free()
