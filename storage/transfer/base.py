@@ -186,9 +186,11 @@ class LeaseTable:
 
 
 def coalesce(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """Merge (src, dst, nbytes) copies that continue each other on both sides: fewer descriptors."""
+    """Merge (src, dst, nbytes) copies that continue each other on both sides: fewer descriptors. The
+    copies are independent, so they are sorted by source first (pages recycled through the allocator's
+    free list often come back in descending order, contiguous all the same)."""
     out: list[list[int]] = []
-    for s, d, n in spans:
+    for s, d, n in sorted(spans):
         if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
             out[-1][2] += n
         else:

@@ -86,7 +86,7 @@ def test_plan_pages_reserves_full_prompt_and_last_window_only():
 
 
 def test_coalesce_merges_runs_contiguous_on_both_sides():
-    assert coalesce([(0, 100, 8), (8, 108, 8), (16, 200, 8), (24, 208, 8), (40, 216, 8)]) == \
+    assert coalesce([(16, 200, 8), (24, 208, 8), (0, 100, 8), (8, 108, 8), (40, 216, 8)]) == \
         [(0, 100, 16), (16, 200, 16), (40, 216, 8)]
 
 
