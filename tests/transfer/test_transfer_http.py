@@ -126,3 +126,28 @@ def test_killing_the_decode_worker_mid_transfer_frees_everything_and_it_comes_ba
         time.sleep(1.0)
     assert r.status_code == 200 and r.json()["output_ids"] == want, r.text
     _assert_all_free(cluster)
+
+
+def test_killing_the_prefill_worker_mid_transfer_releases_the_decode_lease_at_once(cluster, reference):
+    url, pre, dec = cluster["url"], cluster["workers"]["prefill-0"], cluster["workers"]["decode-0"]
+    ray.get(pre.set_transfer_options.remote(debug_send_delay=3.0))
+    ids = [(i * 7) % 250 for i in range(180)]
+    out = {}
+    th = threading.Thread(target=lambda: out.setdefault("r", _post(url, ids)))
+    th.start()
+    deadline = time.monotonic() + 60
+    while ray.get(dec.transfer_stats.remote())["leases"]["live"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.get(dec.transfer_stats.remote())["leases"]["live"] == 1
+    ray.kill(pre, no_restart=False)      # the restarted worker comes back without the test delay
+    t0 = time.monotonic()
+    while ray.get(dec.transfer_stats.remote())["leases"]["live"] and time.monotonic() - t0 < 30:
+        time.sleep(0.1)
+    freed_after = time.monotonic() - t0
+    th.join(180)
+    st = ray.get(dec.transfer_stats.remote())["leases"]
+    assert st["cancelled"] >= 1 and freed_after < 10, (st, freed_after)   # cancelled by the ingress, not expired
+    # a non-streamed request is retried once on the restarted worker: the client still gets its tokens
+    want = reference.generate([ids], SamplingParams(max_new_tokens=8))[0].token_ids
+    assert out["r"].status_code == 200 and out["r"].json()["output_ids"] == want, out["r"].text
+    _assert_all_free(cluster)
