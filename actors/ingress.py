@@ -147,6 +147,17 @@ class RayBackend:
             out[f"strata_worker_queued_tokens|{lab}"] = load.get("queued_tokens", 0)
             out[f"strata_kv_pages_free|{lab}"] = load.get("free_pages", 0)
             out[f"strata_kv_pages_total|{lab}"] = load.get("total_pages", 0)
+        res = await asyncio.gather(*(asyncio.wait_for(h.transfer_stats.remote(), 2) for h in self.workers.values()),
+                                   return_exceptions=True)
+        for w, t in zip(self.workers, res):
+            if isinstance(t, BaseException):
+                continue
+            lab, bs = f'{{worker="{w}",backend="{t["backend"]}"}}', t["backend_stats"]
+            out[f"strata_transfer_bytes_total|{lab}"] = bs.get("bytes", 0)
+            out[f"strata_transfer_sends_total|{lab}"] = bs.get("sends", 0)
+            out[f"strata_transfer_failures_total|{lab}"] = bs.get("failed", 0) + bs.get("timeouts", 0)
+            out[f"strata_transfer_leases_live|{lab}"] = t["leases"]["live"]
+            out[f"strata_transfer_leases_expired_total|{lab}"] = t["leases"]["expired"]
         return out
 
 

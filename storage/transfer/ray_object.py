@@ -51,10 +51,22 @@ class RayObjectBackend(TransferBackend):
 
     name = "ray_object"
 
+    def __init__(self) -> None:
+        self.counts = {"sends": 0, "failed": 0, "bytes": 0}
+
     def peer_info(self) -> dict:
         return {}
 
     def send(self, payload, dest: Destination, timeout: float) -> dict:
         t0 = time.perf_counter()
-        packed = pack(payload, dest)
+        try:
+            packed = pack(payload, dest)
+        except TransferError:
+            self.counts["failed"] += 1
+            raise
+        self.counts["sends"] += 1
+        self.counts["bytes"] += packed.nbytes
         return receipt(packed, seconds=time.perf_counter() - t0, packed=packed)
+
+    def stats(self) -> dict:
+        return dict(self.counts)

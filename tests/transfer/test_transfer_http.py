@@ -80,6 +80,8 @@ def test_greedy_outputs_over_nixl_equal_engine_generate(cluster, reference):
         assert chunks[-1]["output_ids"] == want
     ts = ray.get(cluster["workers"]["prefill-0"].transfer_stats.remote())["backend_stats"]
     assert ts["sends"] >= 6 and ts["failed"] == 0
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    assert 'strata_transfer_bytes_total{worker="prefill-0",backend="nixl"}' in metrics
     _assert_all_free(cluster)
 
 
