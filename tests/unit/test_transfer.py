@@ -232,3 +232,15 @@ def test_staging_descriptors_land_each_layer_page_in_the_leased_page():
     assert staging.stats()["staging_pages_used"] == 0
     dec.leases.cancel("pad")
     assert dec.pools.all_free()
+
+
+def test_cluster_yaml_maps_the_transfer_section():
+    from cluster.config import from_text, load_config
+    assert from_text("{}").transfer == TransferConfig()
+    cfg = from_text("transfer:\n  backend: nixl\n  lease_seconds: 5\n  transfer_timeout: 2\n")
+    assert (cfg.transfer.backend, cfg.transfer.lease_seconds, cfg.transfer.transfer_timeout) == ("nixl", 5, 2)
+    assert load_config("cluster/configs/pd-1p1d-mooncake.yaml").transfer.backend == "mooncake"
+    with pytest.raises(ValueError, match="config.transfer: unknown keys"):
+        from_text("transfer:\n  bakend: nixl\n")
+    with pytest.raises(ValueError, match="backend"):
+        from_text("transfer:\n  backend: carrier-pigeon\n")
