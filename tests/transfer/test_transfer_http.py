@@ -85,6 +85,17 @@ def test_greedy_outputs_over_nixl_equal_engine_generate(cluster, reference):
     _assert_all_free(cluster)
 
 
+def test_concurrent_requests_each_get_their_own_pages(cluster, reference):
+    from concurrent.futures import ThreadPoolExecutor
+    url = cluster["url"]
+    prompts = [[(i * k + 3) % 256 for i in range(40 + 37 * k)] for k in range(6)]
+    want = [o.token_ids for o in reference.generate(prompts, SamplingParams(max_new_tokens=8))]
+    with ThreadPoolExecutor(6) as ex:
+        got = list(ex.map(lambda ids: _post(url, ids).json()["output_ids"], prompts))
+    assert got == want
+    _assert_all_free(cluster)
+
+
 def test_a_stalled_transfer_fails_the_request_cleanly(cluster):
     url, pre = cluster["url"], cluster["workers"]["prefill-0"]
     ray.get(pre.set_transfer_options.remote(transfer_timeout=1.0, debug_send_delay=1.5))
