@@ -1,6 +1,7 @@
 """HTTP ingress: a Ray Serve deployment whose FastAPI app (actors/http_api.py) serves from the cluster:
-the router picks a prefill worker (and a decode worker), the prompt's KV travels from prefill to decode
-through the Ray object store, and tokens stream back."""
+the router picks a prefill worker (and a decode worker), the decode worker leases pages for the prompt's
+KV, the prefill worker sends the KV into them over the configured transfer backend (storage/transfer:
+Ray object store by default, NIXL or Mooncake), and tokens stream back."""
 from __future__ import annotations
 
 import asyncio
@@ -15,6 +16,7 @@ from actors.metrics import Metrics
 from engine.async_engine import StreamItem
 from engine.model.tokenizer import TextTokenizer
 from engine.sampling import SamplingParams
+from storage.transfer import TransferError
 
 
 class RayBackend:
@@ -75,29 +77,47 @@ class RayBackend:
                 item.route = route
                 yield item
             return
-        first_ref, payload_ref = pre.prefill.remote(ids, params)
+        dec = self.workers[choice["decode"]]
+        # The decode worker leases the pages first; the prefill worker sends the KV straight into them
+        # (storage/transfer); the decode worker commits the lease and streams. Any failure on the way
+        # cancels the lease (and an unanswered one expires on its own), so no page is stranded.
         try:
-            first: StreamItem = await asyncio.wait_for(first_ref, self.timeout)
+            dest = await asyncio.wait_for(dec.reserve.remote(len(ids)), self.timeout)
         except ray.exceptions.RayTaskError as e:
             raise _unwrap(e) from None
-        first.route = route
-        if first.finished and first.finish_reason != "prefill":
-            yield first
-            return
-        cached, by_tier = first.cached_tokens, first.cached_tokens_by_tier
-        first.finished, first.finish_reason = False, None
-        yield first
-        dec = self.workers[choice["decode"]]
-        # The payload goes by reference: the decode worker reads it from the object store directly.
-        async for ref in dec.decode.remote(ids, payload_ref, params):
+        except asyncio.TimeoutError:
+            raise ServiceUnavailable(f"decode worker {choice['decode']} did not reserve in time") from None
+        committed = False
+        try:
+            first_ref, sent_ref = pre.prefill_to.remote(ids, params, dest)
             try:
-                item: StreamItem = await asyncio.wait_for(ref, self.timeout)
+                first: StreamItem = await asyncio.wait_for(first_ref, self.timeout)
             except ray.exceptions.RayTaskError as e:
                 raise _unwrap(e) from None
-            if item.finished:
-                item.cached_tokens, item.cached_tokens_by_tier = cached, by_tier
-            item.route = route
-            yield item
+            except asyncio.TimeoutError:
+                raise ServiceUnavailable(f"kv transfer to {choice['decode']} timed out") from None
+            first.route = route
+            if first.finished and first.finish_reason != "prefill":
+                yield first
+                return
+            cached, by_tier = first.cached_tokens, first.cached_tokens_by_tier
+            first.finished, first.finish_reason = False, None
+            yield first
+            # The receipt goes by reference: for ray_object the decode worker reads the packed KV from
+            # the object store directly.
+            async for ref in dec.decode_leased.remote(ids, dest.lease_id, sent_ref, params):
+                try:
+                    item: StreamItem = await asyncio.wait_for(ref, self.timeout)
+                except ray.exceptions.RayTaskError as e:
+                    raise _unwrap(e) from None
+                committed = True
+                if item.finished:
+                    item.cached_tokens, item.cached_tokens_by_tier = cached, by_tier
+                item.route = route
+                yield item
+        finally:
+            if not committed:   # fire and forget: a no-op once committed; a dead worker has no leases
+                dec.cancel.remote(dest.lease_id)
 
     async def health(self) -> dict:
         try:
@@ -128,6 +148,17 @@ class RayBackend:
             out[f"strata_kv_pages_free|{lab}"] = load.get("free_pages", 0)
             out[f"strata_kv_pages_total|{lab}"] = load.get("total_pages", 0)
         out.update(await self._eplb_gauges())
+        res = await asyncio.gather(*(asyncio.wait_for(h.transfer_stats.remote(), 2) for h in self.workers.values()),
+                                   return_exceptions=True)
+        for w, t in zip(self.workers, res):
+            if isinstance(t, BaseException):
+                continue
+            lab, bs = f'{{worker="{w}",backend="{t["backend"]}"}}', t["backend_stats"]
+            out[f"strata_transfer_bytes_total|{lab}"] = bs.get("bytes", 0)
+            out[f"strata_transfer_sends_total|{lab}"] = bs.get("sends", 0)
+            out[f"strata_transfer_failures_total|{lab}"] = bs.get("failed", 0) + bs.get("timeouts", 0)
+            out[f"strata_transfer_leases_live|{lab}"] = t["leases"]["live"]
+            out[f"strata_transfer_leases_expired_total|{lab}"] = t["leases"]["expired"]
         return out
 
     async def _eplb_gauges(self) -> dict:
@@ -175,8 +206,11 @@ def eplb_gauges(st: dict) -> dict:
 
 
 def _unwrap(e: Exception) -> Exception:
-    """Ray wraps a worker's ValueError/MemoryError; give the HTTP layer the original kind."""
+    """Ray wraps a worker's ValueError/MemoryError; give the HTTP layer the original kind. A failed KV
+    transfer is a 503 with its reason."""
     cause = getattr(e, "cause", None)
+    if isinstance(cause, TransferError):
+        return ServiceUnavailable(f"kv transfer failed: {cause}")
     return cause if isinstance(cause, (ValueError, MemoryError)) else RuntimeError(str(e).splitlines()[0])
 
 

@@ -5,13 +5,19 @@ report after a (re)start says ``fresh`` so the router forgets what a previous in
 """
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import threading
+import time
+import uuid
 
 import ray
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine, StreamItem
+from storage.transfer import Destination, TransferConfig, TransferError, make_backend
+from storage.transfer.ray_object import unpack
 
 log = logging.getLogger("strata.worker")
 
@@ -19,7 +25,7 @@ log = logging.getLogger("strata.worker")
 @ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=1000)
 class WorkerActor:
     def __init__(self, worker_id: str, role: str, engine_cfg: EngineConfig, router=None,
-                 report_interval: float = 0.05) -> None:
+                 report_interval: float = 0.05, transfer_cfg: TransferConfig | None = None) -> None:
         if role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"role must be prefill, decode or colocated, got {role!r}")
         self.worker_id, self.role = worker_id, role
@@ -30,6 +36,14 @@ class WorkerActor:
         self._stop = threading.Event()
         if router is not None:
             threading.Thread(target=self._report_loop, name="strata-report", daemon=True).start()
+        # Prefill->decode transfer (storage/transfer): the backend end of this worker, and on the decode
+        # side a sweep that frees the pages of expired leases even when nobody calls.
+        self.tcfg = transfer_cfg or TransferConfig()
+        self.transfer = None
+        if role != "colocated":
+            self.transfer = make_backend(self.tcfg, role, self.core.engine.pools, f"strata-{worker_id}-{uuid.uuid4().hex[:8]}")
+        if role == "decode":
+            threading.Thread(target=self._lease_loop, name="strata-leases", daemon=True).start()
 
     async def start(self) -> dict:
         mc = self.core.engine.model_config
@@ -48,6 +62,87 @@ class WorkerActor:
             except Exception as e:  # the router may be restarting: resend everything as fresh
                 log.warning("report to router failed: %r", e)
                 fresh = True
+
+    def _lease_loop(self) -> None:
+        while not self._stop.wait(self.tcfg.expiry_interval):
+            try:
+                gone = self.core.call_blocking(lambda e: e.leases.expire(time.monotonic()))
+                for lease in gone:
+                    self.transfer.forget(lease.lease_id)
+                    log.warning("transfer lease %s expired: its pages are free again", lease.lease_id)
+            except Exception as e:  # noqa: BLE001 - keep sweeping
+                log.warning("lease sweep failed: %r", e)
+
+    # ---- prefill -> decode transfer (storage/transfer) -------------------------------------------
+    async def reserve(self, prompt_len: int) -> Destination:
+        """Decode side: lease the pages a prompt of ``prompt_len`` tokens will occupy; where to send."""
+        lease_id = f"{self.worker_id}/{uuid.uuid4().hex[:12]}"
+        now, ttl = time.monotonic(), self.tcfg.lease_seconds
+        lease = await self.core.call(lambda e: e.reserve_kv(lease_id, prompt_len, now, ttl))
+        return Destination(lease_id, self.tcfg.backend, prompt_len, self.core.engine.cfg.page_size,
+                           lease.pages["full"], lease.pages["swa"], lease.meta["swa_first_page"], ttl,
+                           self.worker_id, self.transfer.peer_info())
+
+    async def cancel(self, lease_id: str) -> bool:
+        """Decode side: free a lease's pages now (the prefill side failed or the client left)."""
+        self.transfer.forget(lease_id)
+        return await self.core.call(lambda e: e.leases.cancel(lease_id))
+
+    @ray.method(num_returns=2)
+    async def prefill_to(self, ids: list[int], params: SamplingParams, dest: Destination):
+        """Prefill, then send the prompt's KV into ``dest`` (a decode worker's leased pages); returns
+        (StreamItem of the first token, receipt). For ray_object the receipt carries the packed payload,
+        which Ray puts in the object store as this task's second return (the backend's ray.put half)."""
+        t0 = time.monotonic()
+        last = None
+        async for item in self.core.generate(ids, params, prefill_only=True):
+            last = item
+        payload, last.kv_payload = last.kv_payload, None
+        if payload is None or last.finish_reason != "prefill":   # done at its first token: nothing to send
+            return last, None
+        if self.tcfg.debug_send_delay:
+            await asyncio.sleep(self.tcfg.debug_send_delay)   # test-only: a stalled transfer
+        budget = min(self.tcfg.transfer_timeout, dest.ttl) - (time.monotonic() - t0)
+        if budget <= 0:
+            raise TransferError(f"transfer to {dest.worker_id}: the lease's time was used up before sending")
+        # Off the event loop: a one-sided send blocks until its completion (bounded by the budget).
+        rec = await asyncio.to_thread(self.transfer.send, payload, dest, budget)
+        rec["route"] = {"from": self.worker_id, "to": dest.worker_id}
+        return last, rec
+
+    async def decode_leased(self, ids: list[int], lease_id: str, receipt: dict | None, params: SamplingParams):
+        """Decode side: commit ``lease_id`` (its pages now hold the prompt's KV) and stream tokens."""
+        if receipt is None:
+            await self.cancel(lease_id)
+            raise TransferError(f"lease {lease_id}: nothing was sent")
+        receipt = dict(receipt)
+        packed = receipt.pop("packed", None)
+        fill = None
+        if packed is not None:
+            def fill(pools, lease):
+                unpack(packed, lease.pages["full"], lease.pages["swa"], lease.meta["swa_first_page"], pools)
+        else:   # one-sided: the data is in place once the sender's completion notice arrived
+            try:
+                await asyncio.to_thread(self.transfer.wait_arrival, lease_id, self.tcfg.transfer_timeout)
+            except TransferError:
+                await self.cancel(lease_id)
+                raise
+        async for item in self.core.decode_leased(ids, lease_id, receipt, params, time.monotonic(), fill):
+            yield item
+
+    async def set_transfer_options(self, **changes) -> dict:
+        """Test hook: change this worker's transfer timings (lease_seconds, transfer_timeout,
+        debug_send_delay, ...) at run time, validated like the YAML; the backend itself stays."""
+        if "backend" in changes:
+            raise ValueError("transfer backend cannot change at run time")
+        self.tcfg = dataclasses.replace(self.tcfg, **changes)
+        return dataclasses.asdict(self.tcfg)
+
+    async def transfer_stats(self) -> dict:
+        """Leases held (decode) and the backend's counters (staging pages in use on the prefill side)."""
+        leases = await self.core.call(lambda e: e.leases.stats())
+        return {"backend": self.tcfg.backend, "leases": leases,
+                "backend_stats": self.transfer.stats() if self.transfer is not None else {}}
 
     # ---- serving ---------------------------------------------------------------------------------
     @ray.method(num_returns=2)

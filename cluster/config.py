@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.eplb import EplbConfig
 from storage.config import HiCacheConfig
 from storage.l3.config import L3Config, MooncakeConfig, NixlConfig
+from storage.transfer.config import TransferConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"
@@ -88,6 +89,7 @@ class ClusterConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
 
 
 def _build(cls, data: Any, path: str):
@@ -112,8 +114,8 @@ def _build(cls, data: Any, path: str):
 _NESTED = {(HiCacheConfig, "l3"): L3Config, (L3Config, "mooncake"): MooncakeConfig,
            (L3Config, "nixl"): NixlConfig, (ClusterConfig, "engine"): EngineConfig, (ClusterConfig, "workers"): WorkersConfig,
            (ClusterConfig, "router"): RouterConfig, (ClusterConfig, "server"): ServerConfig,
-           (ClusterConfig, "ray"): RayConfig, (EngineConfig, "hicache"): HiCacheConfig}
-_NESTED[(EngineConfig, "eplb")] = EplbConfig
+           (ClusterConfig, "ray"): RayConfig, (EngineConfig, "hicache"): HiCacheConfig,
+           (ClusterConfig, "transfer"): TransferConfig, (EngineConfig, "eplb"): EplbConfig}
 
 
 def from_dict(data: dict) -> ClusterConfig:

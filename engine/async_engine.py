@@ -180,6 +180,12 @@ class AsyncEngine:
         rid = rid or self.new_rid()
         return self._stream(rid, lambda e: e.add_prefilled(prompt, payload, params, rid))
 
+    def decode_leased(self, prompt, lease_id: str, info: dict, params: SamplingParams, now: float,
+                      fill=None, rid: str | None = None) -> AsyncIterator[StreamItem]:
+        """Admit a request whose KV a transfer put into the pages of ``lease_id`` (Engine.add_leased)."""
+        rid = rid or self.new_rid()
+        return self._stream(rid, lambda e: e.add_leased(prompt, lease_id, info, params, rid, now=now, fill=fill))
+
     async def abort(self, rid: str) -> None:
         await self.call(lambda e: self._abort_now(rid))
 

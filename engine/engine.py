@@ -19,10 +19,11 @@ from engine.request import Request, Status
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, make_generator, sample
 from engine.scheduler import Scheduler, swa_pages_bound
-from engine.disagg import KVPayload, check_payload, export_kv, import_kv
+from engine.disagg import KVPayload, admit_leased, check_payload, export_kv, import_kv
 from engine.prefix import PrefixCacheHooks
 from storage.hicache import HiCache
 from storage.pools import KVPools
+from storage.transfer.base import Lease, LeaseTable, plan_pages
 
 Prompt = Union[str, Sequence[int]]
 
@@ -89,6 +90,8 @@ class Engine:
                                    hooks=self.hooks, swa_page_aligned=self.cache is not None)
         self.runner = ModelRunner(self.model, self.pools, self.device)
         self.requests: dict[str, Request] = {}
+        # Pages reserved for KV transfers still in flight (decode side of storage/transfer).
+        self.leases = LeaseTable({"full": self.pools.full.allocator, "swa": self.pools.swa.allocator}, "kv leases")
         self._arrival = itertools.count()
         self._rid = itertools.count()
         self._rng = torch.Generator().manual_seed(cfg.seed)
@@ -157,6 +160,54 @@ class Engine:
         self.requests[req.rid] = req
         self.scheduler.running.append(req)
         reason = self._stop_reason(req, payload.first_token)
+        if reason is not None:
+            self._finish(req, reason)
+        return req.rid
+
+    def reserve_kv(self, lease_id: str, prompt_len: int, now: float, ttl: float) -> Lease:
+        """Reserve the pages a transferred prompt of ``prompt_len`` tokens will occupy (full: every page;
+        SWA: the last window), under a lease that ``now + ttl`` ends. MemoryError when they cannot be had
+        even after evicting cached pages (nothing is held then)."""
+        if not isinstance(prompt_len, int) or not 0 < prompt_len < self.max_context:
+            raise ValueError(f"prompt_len: must be in [1, {self.max_context}), got {prompt_len!r}")
+        n_full, first, n_swa = plan_pages(prompt_len, self.window, self.cfg.page_size)
+        if len(self.scheduler.running) + len(self.leases.leases) >= self.cfg.max_running_requests:
+            raise MemoryError("decode: running batch is full")
+        need = {"full": n_full, "swa": n_swa}
+        for comp, n in need.items():
+            alloc = self.pools.pool(comp).allocator
+            if n and not alloc.can_alloc(n) and self.hooks is not None:
+                self.hooks.make_room(comp, n - alloc.num_free)
+        return self.leases.reserve(lease_id, need, now, ttl, {"prompt_len": prompt_len, "swa_first_page": first})
+
+    def add_leased(self, prompt: Prompt, lease_id: str, info: dict, params: SamplingParams | None = None,
+                   rid: str | None = None, now: float = 0.0, fill=None) -> str:
+        """Admit a request straight into decode from pages a transfer filled under ``lease_id``
+        (``fill(pools, lease)`` copies a two-sided payload in first). ``info``: the sender's receipt
+        (prompt_len, first_token, swa_first_page, swa_valid_from). Raises TransferError when the lease is
+        gone, ValueError on a bad request or receipt; on any error the lease's pages are freed."""
+        try:
+            req = self._new_request(prompt, params, rid)
+            lease = self.leases.get(lease_id, now)
+            if info.get("prompt_len") != len(req.prompt_ids) or lease.meta["prompt_len"] != len(req.prompt_ids):
+                raise ValueError(f"kv transfer: covers {info.get('prompt_len')} tokens, prompt has {len(req.prompt_ids)}")
+            if not 0 <= info["first_token"] < self.model_config.vocab_size:
+                raise ValueError(f"kv transfer: first token {info['first_token']} outside the vocabulary")
+        except BaseException:
+            self.leases.cancel(lease_id)
+            raise
+        lease = self.leases.commit(lease_id, now)
+        try:
+            if fill is not None:
+                fill(self.pools, lease)
+            admit_leased(req, lease.pages, lease.meta["swa_first_page"], info, self.pools, self.window)
+        except BaseException:
+            self.pools.full.allocator.free(lease.pages["full"])
+            self.pools.swa.allocator.free(lease.pages["swa"])
+            raise
+        self.requests[req.rid] = req
+        self.scheduler.running.append(req)
+        reason = self._stop_reason(req, info["first_token"])
         if reason is not None:
             self._finish(req, reason)
         return req.rid
@@ -316,12 +367,14 @@ class Engine:
 
     # ---- introspection -----------------------------------------------------------------------
     def check_integrity(self) -> None:
+        self.leases.check_integrity(full_check=False)
+        leased = self.leases.owners()
         if self.cache is None:
-            self.scheduler.check_integrity()
+            self.scheduler.check_integrity(leased)
             return
         self.cache.check_integrity()
         tree = self.cache.owners()
-        self.scheduler.check_integrity({c: {"tree": pages} for c, pages in tree.items()})
+        self.scheduler.check_integrity({c: {"tree": pages, **leased.get(c, {})} for c, pages in tree.items()})
 
     def close(self) -> None:
         """Finish background copies and release the L3 store (idempotent)."""
@@ -343,6 +396,7 @@ class Engine:
             "preemptions": self.scheduler.num_preemptions,
             "pool": {c: {"used": p.pool(c).allocator.num_used, "total": p.pool(c).num_pages,
                          "peak": p.pool(c).allocator.peak_used} for c in ("full", "swa")},
+            "leases": self.leases.stats(),
             "kv_bytes_per_token": {"full": p.full.bytes_per_token, "swa": p.swa.bytes_per_token},
             **({"cache": {**self.cache.stats, "usage": self.cache.usage()}} if self.cache is not None else {}),
         }

@@ -1,0 +1,251 @@
+"""Prefill->decode KV transfer: the one interface every backend implements, and the lease table.
+
+The flow of one request (the actor shells drive it; nothing here imports ray):
+
+1. decode side ``reserve``: the engine allocates the pages the prompt's KV will occupy -- full pages for
+   the whole prompt, SWA pages for the last window only (``plan_pages``) -- and puts them under a
+   **lease** that expires ``lease_seconds`` later. The ``Destination`` it returns names those pages and,
+   for one-sided backends, how to reach them (agent metadata, registered base addresses).
+2. prefill side ``send``: computes the prompt, then moves its KV into exactly those pages. The prefill
+   side holds its own (staging) pages until the send completes, fails or times out, then frees them.
+3. decode side ``commit``: the lease ends and its pages become the request's; decode starts.
+
+A lease that expires, a cancel (the prefill worker failed, the client left) or a dead peer frees the
+pages at once; a commit after that is a clean ``TransferError``, never stale tokens. Time is passed in
+(``now``), so tests control it.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from storage.pools import PageAllocator
+
+
+class TransferError(RuntimeError):
+    """A transfer that failed, timed out or whose lease is gone: the request fails cleanly."""
+
+
+def plan_pages(prompt_len: int, window: int | None, page_size: int) -> tuple[int, int, int]:
+    """(full pages, first SWA logical page, SWA pages) a decode side reserves for a prompt.
+
+    The SWA range starts at the page-aligned window before the prompt's last page boundary (the earliest
+    first page a prefill export may use, engine/disagg.py ``swa_aligned_first_page``), so any export fits.
+    """
+    if prompt_len < 1:
+        raise ValueError(f"prompt_len must be >= 1, got {prompt_len}")
+    n_full = -(-prompt_len // page_size)
+    if not window:
+        return n_full, 0, 0
+    first = max(0, prompt_len // page_size - (-(-(window - 1) // page_size)))
+    return n_full, first, n_full - first
+
+
+@dataclass
+class Destination:
+    """Where one request's KV goes: the decode worker's leased pages (picklable, sent to the prefill side).
+
+    full_pages: [n_full] decode-side page indices for logical pages [0, n_full)
+    swa_pages:  [n_swa] decode-side page indices for logical pages [swa_first_page, n_full)
+    peer: backend-specific reachability (NIXL agent metadata, Mooncake session, registered bases).
+    """
+
+    lease_id: str
+    backend: str
+    prompt_len: int
+    page_size: int
+    full_pages: list[int]
+    swa_pages: list[int]
+    swa_first_page: int
+    ttl: float                      # seconds the lease had left when it was handed out
+    worker_id: str = ""
+    peer: dict = field(default_factory=dict)
+
+
+@dataclass
+class Lease:
+    lease_id: str
+    pages: dict[str, list[int]]     # component -> page indices held
+    expires_at: float
+    meta: dict = field(default_factory=dict)
+
+
+class LeaseTable:
+    """Pages held for transfers in flight, per component allocator, each under a deadline.
+
+    Every page a lease holds was taken from its allocator by ``reserve`` and goes back exactly once: by
+    ``cancel``, by ``expire`` once ``now`` passes its deadline, or to the caller by ``commit`` (who owns
+    it from then on). Used on the decode side (destination pages) and the prefill side (staging pages).
+    """
+
+    def __init__(self, allocators: Mapping[str, PageAllocator], name: str = "leases") -> None:
+        self.allocators = dict(allocators)
+        self.name = name
+        self.leases: dict[str, Lease] = {}
+        self.counts = {"reserved": 0, "committed": 0, "cancelled": 0, "expired": 0}
+
+    def reserve(self, lease_id: str, need: Mapping[str, int], now: float, ttl: float,
+                meta: dict | None = None) -> Lease:
+        """Take ``need[c]`` pages of every component, all or nothing. Raises MemoryError when an
+        allocator is short (nothing taken), ValueError on a reused id or a bad ttl."""
+        if lease_id in self.leases:
+            raise ValueError(f"{self.name}: lease {lease_id!r} already exists")
+        if not ttl > 0:
+            raise ValueError(f"{self.name}: ttl must be > 0, got {ttl!r}")
+        unknown = set(need) - set(self.allocators)
+        if unknown:
+            raise ValueError(f"{self.name}: unknown components {sorted(unknown)}")
+        for comp, n in need.items():
+            if n < 0:
+                raise ValueError(f"{self.name}: cannot reserve {n} {comp} pages")
+            if not self.allocators[comp].can_alloc(n):
+                raise MemoryError(f"{self.name}: {n} {comp} pages requested, "
+                                  f"{self.allocators[comp].num_free} free")
+        pages = {comp: self.allocators[comp].alloc(n) if n else [] for comp, n in need.items()}
+        lease = Lease(lease_id, pages, now + ttl, dict(meta or {}))
+        self.leases[lease_id] = lease
+        self.counts["reserved"] += 1
+        return lease
+
+    def get(self, lease_id: str, now: float) -> Lease:
+        """The live lease (expiring it first when its deadline passed); TransferError if gone."""
+        lease = self.leases.get(lease_id)
+        if lease is not None and now >= lease.expires_at:
+            self._free(lease, "expired")
+            lease = None
+        if lease is None:
+            raise TransferError(f"{self.name}: lease {lease_id!r} expired or was cancelled")
+        return lease
+
+    def commit(self, lease_id: str, now: float) -> Lease:
+        """End the lease and hand its pages to the caller. TransferError when it expired, was cancelled,
+        or was committed already (its pages are then free or owned by someone else)."""
+        lease = self.get(lease_id, now)
+        del self.leases[lease_id]
+        self.counts["committed"] += 1
+        return lease
+
+    def cancel(self, lease_id: str) -> bool:
+        """Free a lease's pages now; False when there is no such live lease."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            return False
+        self._free(lease, "cancelled")
+        return True
+
+    def expire(self, now: float) -> list[Lease]:
+        """Free every lease whose deadline has passed; returns them."""
+        gone = [l for l in self.leases.values() if now >= l.expires_at]
+        for lease in gone:
+            self._free(lease, "expired")
+        return gone
+
+    def cancel_all(self) -> int:
+        n = len(self.leases)
+        for lease in list(self.leases.values()):
+            self._free(lease, "cancelled")
+        return n
+
+    def _free(self, lease: Lease, why: str) -> None:
+        del self.leases[lease.lease_id]
+        for comp, pages in lease.pages.items():
+            if pages:
+                self.allocators[comp].free(pages)
+        self.counts[why] += 1
+
+    def num_pages(self, comp: str) -> int:
+        return sum(len(l.pages.get(comp, ())) for l in self.leases.values())
+
+    def owners(self) -> dict[str, dict[str, list[int]]]:
+        """component -> {"lease <id>": pages}: for the allocators' ownership checks."""
+        out: dict[str, dict[str, list[int]]] = {c: {} for c in self.allocators}
+        for lease in self.leases.values():
+            for comp, pages in lease.pages.items():
+                out[comp][f"lease {lease.lease_id}"] = list(pages)
+        return out
+
+    def check_integrity(self, full_check: bool = True) -> None:
+        """No page in two leases or on a free list; with ``full_check`` the allocators' own checks
+        too (only valid when the leases are the allocators' sole owners besides the free list)."""
+        for comp, alloc in self.allocators.items():
+            seen: set[int] = set()
+            for lease in self.leases.values():
+                for p in lease.pages.get(comp, ()):
+                    if p in seen:
+                        raise AssertionError(f"{self.name}: {comp} page {p} held by two leases")
+                    if not 0 <= p < alloc.num_pages or alloc._is_free[p]:
+                        raise AssertionError(f"{self.name}: {comp} page {p} of lease is free or out of range")
+                    seen.add(p)
+            if full_check:
+                alloc.check_integrity({f"lease {l.lease_id}": l.pages.get(comp, []) for l in self.leases.values()})
+
+    def stats(self) -> dict:
+        return {**self.counts, "live": len(self.leases),
+                "pages": {c: self.num_pages(c) for c in self.allocators}}
+
+
+def coalesce(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Merge (src, dst, nbytes) copies that continue each other on both sides: fewer descriptors. The
+    copies are independent, so they are sorted by source first (pages recycled through the allocator's
+    free list often come back in descending order, contiguous all the same)."""
+    out: list[list[int]] = []
+    for s, d, n in sorted(spans):
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+            out[-1][2] += n
+        else:
+            out.append([s, d, n])
+    return [tuple(x) for x in out]
+
+
+class TransferBackend(ABC):
+    """One worker's end of a backend. The decode side publishes ``peer_info`` (put into each
+    Destination) and may wait for arrival; the prefill side ``send``s a staged payload."""
+
+    name = "base"
+
+    @abstractmethod
+    def peer_info(self) -> dict:
+        """What a prefill side needs to reach this worker's pages (empty for two-sided backends)."""
+
+    @abstractmethod
+    def send(self, payload, dest: Destination, timeout: float) -> dict:
+        """Move ``payload`` (engine/disagg.KVPayload) into ``dest``; returns a receipt
+        {"bytes", "seconds", ...}; raises TransferError on failure or past ``timeout``."""
+
+    def wait_arrival(self, lease_id: str, timeout: float) -> None:
+        """Decode side: block until the data of ``lease_id`` is known to have landed."""
+
+    def forget(self, lease_id: str) -> None:
+        """Decode side: drop any arrival record of a lease that ended."""
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def check_fits(payload, dest: Destination) -> int:
+    """Raise TransferError unless ``payload`` (a KVPayload) fills ``dest``'s pages; returns the offset of
+    its first SWA page inside ``dest.swa_pages`` (an export may start its window later than reserved)."""
+    n_full = len(dest.full_pages)
+    if payload.prompt_len != dest.prompt_len or payload.page_size != dest.page_size:
+        raise TransferError(f"kv of {payload.prompt_len} tokens/page {payload.page_size} does not match the "
+                            f"destination's {dest.prompt_len}/{dest.page_size}")
+    if payload.full.numel() and payload.full.shape[1] != n_full:
+        raise TransferError(f"kv has {payload.full.shape[1]} full pages, destination {n_full}")
+    off = payload.swa_first_page - dest.swa_first_page
+    n_swa = payload.swa.shape[1] if payload.swa.numel() else 0
+    if dest.swa_pages or n_swa:
+        if off < 0 or off + n_swa != len(dest.swa_pages):
+            raise TransferError(f"kv SWA pages [{payload.swa_first_page}, +{n_swa}) do not fit the destination's "
+                                f"[{dest.swa_first_page}, +{len(dest.swa_pages)})")
+    return max(off, 0)
+
+
+def receipt(payload, **extra) -> dict:
+    """What the decode side needs besides the page bytes to admit the request."""
+    return {"prompt_len": payload.prompt_len, "first_token": payload.first_token,
+            "swa_first_page": payload.swa_first_page, "swa_valid_from": payload.swa_valid_from,
+            "bytes": payload.nbytes, **extra}
