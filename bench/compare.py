@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import math
 import socket
 import sys
 import tempfile
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from cluster import launch  # sets the Ray environment (loopback, no token auth) on import
 from bench.common import RESULTS, table, write_json
-from bench.compare_report import checks, plot_all, row_of
+from bench.compare_report import checks, markdown, plot_all, row_of, update_readme
 from bench.multiturn import run_workload
 from bench.multiturn_workload import WorkloadConfig, summarize
 from cluster.config import ClusterConfig, RayConfig, ServerConfig, WorkersConfig
@@ -89,7 +90,8 @@ def run_variant(var: Variant, wl: WorkloadConfig, l3_dir: str | None) -> dict:
     try:
         handles = launch.deploy(cfg)
         startup = time.perf_counter() - t_start
-        records, dur = asyncio.run(run_workload(handles["url"], wl, progress=True, label=f"{var.name:22s} "))
+        records, dur = asyncio.run(run_workload(handles["url"], wl, progress=sys.stderr.isatty(),
+                                                 label=f"{var.name:22s} "))
         stats = {w: ray.get(h.stats.remote(), timeout=60) for w, h in handles["workers"].items()}
     finally:
         launch.shutdown(handles)
@@ -124,6 +126,10 @@ def expected_swa_factor(wl: WorkloadConfig) -> dict:
     return {"tokens_per_conversation": s, "one_window": one, "one_window_per_round": per_round}
 
 
+def _jsonable(d: dict) -> dict:
+    return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in d.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.compare")
     ap.add_argument("--quick", action="store_true", help="the small workload (a few minutes)")
@@ -146,16 +152,24 @@ def main(argv: list[str] | None = None) -> int:
     factor = expected_swa_factor(wl)
     rows = [row_of(r, wl.num_rounds) for r in results]
     cols = ["config"] + [f"hit r{i}" for i in range(1, wl.num_rounds + 1)] + \
-        ["ttft ms", "ttft r2+ ms", "itl ms", "in tok/s", "host KB/conv", "L1->L2 MB", "L2->L1 MB", "L3 MB", "errors"]
+        ["ttft ms", "ttft r2+ ms", "itl ms", "in tok/s", "host KB/conv", "L1->L2 MB", "L2->L1 MB", "L3 MB",
+         "hit tok L1/L2/L3", "errors"]
     print(table(rows, cols))
     outcome = checks(results, factor)
     for c in outcome:
         print(f"[{'ok' if c['ok'] else 'NO'}] {c['claim']}: {c['detail']}")
     plots = plot_all(results, wl.num_rounds, RESULTS)
-    path = write_json("compare", {"quick": args.quick, "workload": dataclasses.asdict(wl), "l1_pages": num_pages,
+    path = write_json("compare", {"quick": args.quick, "workload": _jsonable(dataclasses.asdict(wl)), "l1_pages": num_pages,
                                   "wall_s": time.perf_counter() - t0, "expected_swa_factor": factor,
                                   "table": rows, "checks": outcome, "variants": results,
                                   "plots": [p.name for p in plots]})
+    note = (f"{wl.num_clients} conversations x {wl.num_rounds} rounds, {wl.request_length}-token first question, "
+            f"{wl.sub_question_length}-token sub-questions, {wl.output_length}-token answers, {wl.max_parallel} in "
+            f"flight, L1 of {num_pages} pages per worker; hit rates are cached / prompt tokens as the server "
+            f"reports them; times from a shared 2-core CPU box (relative only).")
+    if not args.only and update_readme(Path(__file__).resolve().parent.parent / "README.md",
+                                       markdown(rows, cols, outcome, note)):
+        print("updated the README's Results table")
     print(f"wrote {path} and {', '.join(p.name for p in plots)} in {time.perf_counter() - t0:.0f} s")
     return 0 if all(c["ok"] for c in outcome) else 1
 

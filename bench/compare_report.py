@@ -31,6 +31,7 @@ def row_of(res: dict, num_rounds: int) -> dict:
         "L1->L2 MB": res["bytes_moved"]["L1->L2"] / MB,
         "L2->L1 MB": res["bytes_moved"]["L2->L1"] / MB,
         "L3 MB": res["bytes_moved"]["L2->L3 (stored)"] / MB,
+        "hit tok L1/L2/L3": "/".join(str(res["hit_tokens_by_tier"][t]) for t in ("L1", "L2", "L3")),
         "errors": s["errors"],
     })
     return row
@@ -90,10 +91,11 @@ def plot_all(results: list[dict], num_rounds: int, out_dir: Path) -> list[Path]:
 
     def per_round_plot(key: str, scale: float, ylabel: str, fname: str, title: str) -> None:
         fig, ax = plt.subplots(figsize=(7, 4))
-        for r in results:
+        for i, r in enumerate(results):  # markers and dashes differ: equal curves must stay visible
             per = _rounds(r)
             ax.plot([n for n in rounds if n in per], [scale * per[n][key] for n in rounds if n in per],
-                    marker="o", label=r["name"])
+                    marker="osD^vP*X"[i % 8], linestyle=("-", "--", ":", "-.")[i % 4], markersize=9 - i % 4,
+                    label=r["name"])
         ax.set_xlabel("round")
         ax.set_ylabel(ylabel)
         ax.set_xticks(rounds)
@@ -142,3 +144,29 @@ def plot_all(results: list[dict], num_rounds: int, out_dir: Path) -> list[Path]:
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
     return paths
+
+
+README_BEGIN, README_END = "<!-- bench.compare:begin -->", "<!-- bench.compare:end -->"
+
+
+def markdown(rows: list[dict], cols: list[str], outcome: list[dict], note: str) -> str:
+    """The table and the expected outcomes as Markdown (for the README's Results section)."""
+    def cell(v) -> str:
+        if isinstance(v, float):
+            return f"{v:,.3g}" if abs(v) < 100 else f"{v:,.0f}"
+        return "" if v is None else str(v)
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join(cell(r.get(c)) for c in cols) + " |" for r in rows]
+    out += ["", note, ""]
+    out += [f"- {'✅' if c['ok'] else '❌'} {c['claim']}: {c['detail']}" for c in outcome]
+    return "\n".join(out)
+
+
+def update_readme(readme: Path, body: str) -> bool:
+    """Replace what lies between the bench.compare markers of the README; False when it has none."""
+    text = readme.read_text()
+    i, j = text.find(README_BEGIN), text.find(README_END)
+    if i < 0 or j < i:
+        return False
+    readme.write_text(text[:i + len(README_BEGIN)] + "\n" + body + "\n" + text[j:])
+    return True

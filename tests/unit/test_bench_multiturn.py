@@ -130,7 +130,8 @@ def _result(name, hits, ttfts, host=1000.0, swa=0.0):
             "input_tokens_per_s": 1.0}
     return {"name": name, "summary": summ, "host_bytes_per_conversation": host,
             "host_swa_bytes_per_conversation": swa,
-            "bytes_moved": {"L1->L2": 0, "L2->L1": 0, "L2->L3 (stored)": 0}}
+            "bytes_moved": {"L1->L2": 0, "L2->L1": 0, "L2->L3 (stored)": 0},
+            "hit_tokens_by_tier": {"L1": 0, "L2": 0, "L3": 0}}
 
 
 def test_compare_checks_pass_and_fail_on_the_numbers():
