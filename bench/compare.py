@@ -90,8 +90,9 @@ def run_variant(var: Variant, wl: WorkloadConfig, l3_dir: str | None) -> dict:
     try:
         handles = launch.deploy(cfg)
         startup = time.perf_counter() - t_start
+        server: dict = {}
         records, dur = asyncio.run(run_workload(handles["url"], wl, progress=sys.stderr.isatty(),
-                                                 label=f"{var.name:22s} "))
+                                                 label=f"{var.name:22s} ", server=server))
         stats = {w: ray.get(h.stats.remote(), timeout=60) for w, h in handles["workers"].items()}
     finally:
         launch.shutdown(handles)
@@ -107,7 +108,7 @@ def run_variant(var: Variant, wl: WorkloadConfig, l3_dir: str | None) -> dict:
     return {"name": var.name, "startup_s": startup, "summary": summarize(records, dur),
             "host_bytes_per_conversation": host / wl.num_clients,
             "host_swa_bytes_per_conversation": host_swa / wl.num_clients,
-            "bytes_moved": moved, "hit_tokens_by_tier": hit_by_tier,
+            "bytes_moved": moved, "hit_tokens_by_tier": hit_by_tier, "from_metrics": server,
             "preemptions": sum(s.get("preemptions", 0) for s in stats.values()),
             "requests": [dataclasses.asdict(r) for r in records]}
 

@@ -102,6 +102,55 @@ async def _send_chat(http: httpx.AsyncClient, url: str, conv: Conversation, cfg:
     return "".join(parts)
 
 
+def parse_metrics(text: str) -> dict[str, list[tuple[dict, float]]]:
+    """Prometheus text exposition -> {name: [(labels, value), ...]} (comments skipped)."""
+    out: dict[str, list[tuple[dict, float]]] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        name, _, rest = head.partition("{")
+        labels = {}
+        for part in rest.rstrip("}").split('",'):
+            k, eq, v = part.partition('="')
+            if eq:
+                labels[k.strip(", ")] = v.rstrip('"')
+        try:
+            out.setdefault(name, []).append((labels, float(value)))
+        except ValueError:
+            continue
+    return out
+
+
+def metric_sum(parsed: dict, name: str, **match) -> float:
+    return sum(v for labels, v in parsed.get(name, ()) if all(labels.get(k) == x for k, x in match.items()))
+
+
+async def _scrape(http: httpx.AsyncClient, url: str) -> dict:
+    """The server's /metrics, parsed; empty when it has none (any server may be benchmarked)."""
+    try:
+        r = await http.get(f"{url}/metrics", timeout=10)
+        return parse_metrics(r.text) if r.status_code == 200 else {}
+    except httpx.HTTPError:
+        return {}
+
+
+def server_side(before: dict, after: dict, num_clients: int) -> dict:
+    """Host KV memory per conversation and bytes moved between tiers during the run, from strata's
+    /metrics (``strata_host_kv_bytes``, ``strata_kv_moved_bytes``); empty for other servers."""
+    if "strata_host_kv_bytes" not in after:
+        return {}
+    moved = {}
+    for labels, _ in after.get("strata_kv_moved_bytes", ()):
+        d = labels.get("direction")
+        if d and d not in moved:
+            moved[d] = metric_sum(after, "strata_kv_moved_bytes", direction=d) - \
+                metric_sum(before, "strata_kv_moved_bytes", direction=d)
+    return {"host_kv_bytes_per_conversation": metric_sum(after, "strata_host_kv_bytes") / num_clients,
+            "kv_moved_bytes": moved}
+
+
 class Progress:
     """A one-line progress bar on stderr (no dependency)."""
 
@@ -124,8 +173,9 @@ class Progress:
 
 
 async def run_workload(url: str, cfg: WorkloadConfig, progress: bool = True, label: str = "",
-                       timeout: float = 300.0) -> tuple[list[RequestRecord], float]:
-    """Run every conversation to its last round against ``url``; returns (records, seconds)."""
+                       timeout: float = 300.0, server: Optional[dict] = None) -> tuple[list[RequestRecord], float]:
+    """Run every conversation to its last round against ``url``; returns (records, seconds).
+    ``server``: filled with what the server's /metrics says about its cache (``server_side``)."""
     url = url.rstrip("/")
     convs = make_conversations(cfg)
     queue = TurnQueue(cfg.num_clients, cfg.num_rounds, cfg.round_barrier)
@@ -138,6 +188,8 @@ async def run_workload(url: str, cfg: WorkloadConfig, progress: bool = True, lab
     limits = httpx.Limits(max_connections=cfg.max_parallel + 4, max_keepalive_connections=cfg.max_parallel + 4)
 
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+        before = await _scrape(http, url) if server is not None else {}
+
         async def one(cid: int, rnd: int) -> None:
             rec = RequestRecord(client=cid, round=rnd + 1, start=time.perf_counter() - t0)
             try:
@@ -169,7 +221,11 @@ async def run_workload(url: str, cfg: WorkloadConfig, progress: bool = True, lab
             pending.add(asyncio.create_task(one(*item)))
         for t in pending:
             await t
-    return sorted(records, key=lambda r: (r.round, r.client)), time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        if server is not None:
+            await asyncio.sleep(0.5)  # workers report their counters every 50 ms
+            server.update(server_side(before, await _scrape(http, url), cfg.num_clients))
+        return sorted(records, key=lambda r: (r.round, r.client)), elapsed
 
 
 def write_jsonl(path: str | Path, records: list[RequestRecord]) -> None:
@@ -202,9 +258,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"bench.multiturn: {e}", file=sys.stderr)
         return 2
-    records, dur = asyncio.run(run_workload(args.url, cfg, progress=not args.no_progress))
+    server: dict = {}
+    records, dur = asyncio.run(run_workload(args.url, cfg, progress=not args.no_progress, server=server))
     s = summarize(records, dur)
     print(format_summary(s))
+    if server:
+        moved = "  ".join(f"{d} {n / 2**20:.2f} MB" for d, n in server["kv_moved_bytes"].items())
+        print(f"server cache    host KV {server['host_kv_bytes_per_conversation'] / 1024:,.0f} KB per conversation"
+              f"  moved: {moved}")
     if args.jsonl:
         write_jsonl(args.jsonl, records)
         print(f"wrote {args.jsonl}")

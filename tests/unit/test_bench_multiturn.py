@@ -5,7 +5,7 @@ import statistics
 import pytest
 
 from bench.compare_report import checks, row_of
-from bench.multiturn import _events
+from bench.multiturn import _events, metric_sum, parse_metrics, server_side
 from bench.multiturn_workload import (RequestRecord, TurnQueue, WorkloadConfig, arrival_gaps, hit_rate,
                                       make_conversations, percentile, random_text, summarize)
 
@@ -150,3 +150,27 @@ def test_compare_checks_pass_and_fail_on_the_numbers():
     assert not any(c["ok"] for c in checks(bad, factor))
     row = row_of(good[1], 3)
     assert row["hit r2"] == 0.85 and row["ttft r2+ ms"] == pytest.approx(300)
+
+
+def test_cli_rejects_a_bad_workload_before_sending_anything(capsys):
+    from bench.multiturn import main
+    assert main(["--url", "http://127.0.0.1:9", "--num-clients", "0"]) == 2
+    assert "num_clients" in capsys.readouterr().err
+
+
+def test_metrics_parsing_and_the_server_side_figures():
+    text = """# TYPE strata_host_kv_bytes gauge
+strata_host_kv_bytes{worker="prefill-0",role="prefill"} 3000.0
+strata_host_kv_bytes{worker="decode-0",role="decode"} 1000
+strata_kv_moved_bytes{worker="prefill-0",role="prefill",direction="L1->L2"} 500
+strata_kv_moved_bytes{worker="decode-0",role="decode",direction="L1->L2"} 100
+strata_kv_moved_bytes{worker="decode-0",role="decode",direction="L2->L1"} 40
+strata_requests_total 7
+"""
+    m = parse_metrics(text)
+    assert metric_sum(m, "strata_host_kv_bytes") == 4000 and metric_sum(m, "strata_requests_total") == 7
+    assert metric_sum(m, "strata_kv_moved_bytes", direction="L1->L2", worker="decode-0") == 100
+    before = parse_metrics('strata_kv_moved_bytes{worker="decode-0",role="decode",direction="L1->L2"} 50\n')
+    s = server_side(before, m, num_clients=4)
+    assert s == {"host_kv_bytes_per_conversation": 1000, "kv_moved_bytes": {"L1->L2": 550, "L2->L1": 40}}
+    assert server_side({}, parse_metrics("strata_requests_total 3\n"), 4) == {}

@@ -37,3 +37,11 @@ def test_prefix_policy_ignores_the_turn():
 def test_policy_is_validated():
     with pytest.raises(ValueError, match="policy"):
         RouterConfig(policy="random")
+
+
+def test_yaml_maps_the_policy_and_the_swa_backup_mode():
+    from cluster.config import from_text
+    cfg = from_text("engine: {enable_prefix_cache: true, hicache: {swa_backup: all}}\nrouter: {policy: round_robin}\n")
+    assert cfg.router.policy == "round_robin" and cfg.engine.hicache.swa_backup == "all"
+    with pytest.raises(ValueError, match="policy"):
+        from_text("router: {policy: nearest}\n")
