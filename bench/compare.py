@@ -57,7 +57,7 @@ def variants(num_pages: int, host_pages: int, l3_dir: str) -> list[Variant]:
     def v(name, hicache=None, cache=True, workers=one, policy="prefix"):
         e = dataclasses.replace(eng, enable_prefix_cache=cache, hicache=hicache)
         return Variant(name, ClusterConfig(engine=e, workers=workers, router=RouterConfig(policy=policy),
-                                           server=ServerConfig(), ray=RayConfig(num_cpus=8)))
+                                           server=ServerConfig(), ray=RayConfig(num_cpus=3)))
 
     return [
         v("no cache", cache=False),
@@ -131,11 +131,50 @@ def _jsonable(d: dict) -> dict:
     return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in d.items()}
 
 
+COLS_AFTER_ROUNDS = ["ttft ms", "ttft r2+ ms", "itl ms", "in tok/s", "host KB/conv", "L1->L2 MB", "L2->L1 MB",
+                     "L3 MB", "hit tok L1/L2/L3", "errors"]
+
+
+def report(payload: dict, write_readme: bool, name: str = "compare") -> bool:
+    """Print the table and the outcomes, draw the plots, write ``bench/results/<name>.json`` and (when
+    asked) the README's Results table. Returns whether every expected outcome held."""
+    wl, results = payload["workload"], payload["variants"]
+    rounds = wl["num_rounds"]
+    rows = [row_of(r, rounds) for r in results]
+    cols = ["config"] + [f"hit r{i}" for i in range(1, rounds + 1)] + COLS_AFTER_ROUNDS
+    print(table(rows, cols))
+    outcome = checks(results, payload["expected_swa_factor"])
+    if payload.get("failed"):
+        outcome.append({"claim": "every configuration ran", "ok": False,
+                        "detail": "; ".join(f"{f['name']}: {f['error']}" for f in payload["failed"])})
+    for c in outcome:
+        print(f"[{'ok' if c['ok'] else 'NO'}] {c['claim']}: {c['detail']}")
+    plots = plot_all(results, rounds, RESULTS) if name == "compare" else []
+    path = write_json(name, {**payload, "table": rows, "checks": outcome, "plots": [p.name for p in plots]})
+    note = (f"{wl['num_clients']} conversations x {rounds} rounds, {wl['request_length']}-token first question, "
+            f"{wl['sub_question_length']}-token sub-questions, {wl['output_length']}-token answers, "
+            f"{wl['max_parallel']} in flight, L1 of {payload['l1_pages']} pages per worker; hit rates are cached / "
+            f"prompt tokens as the server reports them; times from a shared 2-core CPU box (relative only; "
+            f"this run: {payload['wall_s']:.0f} s in all).")
+    if write_readme and update_readme(Path(__file__).resolve().parent.parent / "README.md",
+                                      markdown(rows, cols, outcome, note)):
+        print("updated the README's Results table")
+    print(f"wrote {path}" + (f" and {', '.join(p.name for p in plots)}" if plots else ""))
+    return all(c["ok"] for c in outcome)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.compare")
     ap.add_argument("--quick", action="store_true", help="the small workload (a few minutes)")
-    ap.add_argument("--only", default=None, help="comma-separated variant names to run (debugging)")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated variant names to run (debugging; writes compare_partial.json only)")
+    ap.add_argument("--replot", action="store_true",
+                    help="no run: redraw the table, plots and README from bench/results/compare.json")
     args = ap.parse_args(argv)
+    if args.replot:
+        import json
+        payload = json.loads((RESULTS / "compare.json").read_text())
+        return 0 if report(payload, write_readme=True) else 1
     wl = QUICK if args.quick else FULL
     # L1 for the running requests plus about one conversation: far from all of them.
     longest = wl.request_length + wl.num_rounds * (wl.sub_question_length + wl.output_length) + 64
@@ -147,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.only and var.name not in args.only.split(","):
                 continue
             res, err = None, None
-            for attempt in (1, 2):  # a cluster that fails to start on a loaded box gets one more try
+            # Ray gives a node 30 s to register: on a box this loaded that can fail; try again.
+            for attempt in (1, 2, 3):
                 try:
                     res = run_variant(var, wl, l3_dir)
                     break
@@ -158,35 +198,13 @@ def main(argv: list[str] | None = None) -> int:
                 failed.append({"name": var.name, "error": err})
                 continue
             results.append(res)
-            print(f"  {var.name}: hit rate {results[-1]['summary']['hit_rate']:.3f}, "
-                  f"startup {results[-1]['startup_s']:.0f} s, run {results[-1]['summary']['duration_s']:.0f} s",
-                  flush=True)
-    factor = expected_swa_factor(wl)
-    rows = [row_of(r, wl.num_rounds) for r in results]
-    cols = ["config"] + [f"hit r{i}" for i in range(1, wl.num_rounds + 1)] + \
-        ["ttft ms", "ttft r2+ ms", "itl ms", "in tok/s", "host KB/conv", "L1->L2 MB", "L2->L1 MB", "L3 MB",
-         "hit tok L1/L2/L3", "errors"]
-    print(table(rows, cols))
-    outcome = checks(results, factor)
-    if failed:
-        outcome.append({"claim": "every configuration ran", "ok": False,
-                        "detail": "; ".join(f"{f['name']}: {f['error']}" for f in failed)})
-    for c in outcome:
-        print(f"[{'ok' if c['ok'] else 'NO'}] {c['claim']}: {c['detail']}")
-    plots = plot_all(results, wl.num_rounds, RESULTS)
-    path = write_json("compare", {"quick": args.quick, "workload": _jsonable(dataclasses.asdict(wl)), "l1_pages": num_pages,
-                                  "wall_s": time.perf_counter() - t0, "expected_swa_factor": factor,
-                                  "table": rows, "checks": outcome, "variants": results,
-                                  "plots": [p.name for p in plots]})
-    note = (f"{wl.num_clients} conversations x {wl.num_rounds} rounds, {wl.request_length}-token first question, "
-            f"{wl.sub_question_length}-token sub-questions, {wl.output_length}-token answers, {wl.max_parallel} in "
-            f"flight, L1 of {num_pages} pages per worker; hit rates are cached / prompt tokens as the server "
-            f"reports them; times from a shared 2-core CPU box (relative only).")
-    if not args.only and update_readme(Path(__file__).resolve().parent.parent / "README.md",
-                                       markdown(rows, cols, outcome, note)):
-        print("updated the README's Results table")
-    print(f"wrote {path} and {', '.join(p.name for p in plots)} in {time.perf_counter() - t0:.0f} s")
-    return 0 if all(c["ok"] for c in outcome) else 1
+            print(f"  {var.name}: hit rate {res['summary']['hit_rate']:.3f}, startup {res['startup_s']:.0f} s, "
+                  f"run {res['summary']['duration_s']:.0f} s", flush=True)
+    payload = {"quick": args.quick, "workload": _jsonable(dataclasses.asdict(wl)), "l1_pages": num_pages,
+               "wall_s": time.perf_counter() - t0, "expected_swa_factor": expected_swa_factor(wl),
+               "variants": results, "failed": failed}
+    ok = report(payload, write_readme=not args.only, name="compare_partial" if args.only else "compare")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
