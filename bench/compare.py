@@ -6,14 +6,16 @@ on a free port, all under the same multi-turn workload (bench/multiturn.py):
 no prefix cache; L1 only; L1+L2; L1+L2+L3 (file store in a temp dir); L1+L2 with the SWA-oblivious host
 backup; and 2 prefill workers behind the prefix router vs round-robin. L1 is sized so it cannot hold
 every conversation (L2/L3 have to matter). Writes bench/results/compare.json and the plots
-bench/results/compare_*.png; prints the table and whether each expected outcome held. Timings come
-from a 2-core machine shared with other work: read them as relative, not absolute.
+bench/results/compare_*.png (and compare_requests.jsonl, one line per request); prints the table and
+whether each expected outcome held. Timings come from a 2-core machine shared with other work: read
+them as relative, not absolute.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import dataclasses
+import json
 import math
 import socket
 import sys
@@ -80,6 +82,14 @@ def _dir_bytes(path: str) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
+def _warm_up(url: str) -> None:
+    """One short request first, so no configuration's round 1 pays for a cold worker (first forward,
+    lazy imports); its text shares nothing with the workload's."""
+    import httpx
+    body = {"input_ids": [7] * 40, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    httpx.post(f"{url}/generate", json=body, timeout=120).raise_for_status()
+
+
 def run_variant(var: Variant, wl: WorkloadConfig, l3_dir: str | None) -> dict:
     """Start the cluster, run the workload, read every worker's cache counters, shut it all down."""
     import ray
@@ -90,6 +100,7 @@ def run_variant(var: Variant, wl: WorkloadConfig, l3_dir: str | None) -> dict:
         launch.init_ray(cfg)
         handles = launch.deploy(cfg)
         startup = time.perf_counter() - t_start
+        _warm_up(handles["url"])
         server: dict = {}
         records, dur = asyncio.run(run_workload(handles["url"], wl, progress=sys.stderr.isatty(),
                                                  label=f"{var.name:22s} ", server=server))
@@ -138,6 +149,12 @@ COLS_AFTER_ROUNDS = ["ttft ms", "ttft r2+ ms", "itl ms", "in tok/s", "host KB/co
 def report(payload: dict, write_readme: bool, name: str = "compare") -> bool:
     """Print the table and the outcomes, draw the plots, write ``bench/results/<name>.json`` and (when
     asked) the README's Results table. Returns whether every expected outcome held."""
+    reqs = [{"config": v["name"], **r} for v in payload["variants"] for r in v.get("requests", ())]
+    if reqs:  # one JSON line per request beside the JSON, which keeps the summaries only
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / f"{name}_requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reqs))
+        payload = {**payload, "variants": [{k: x for k, x in v.items() if k != "requests"}
+                                           for v in payload["variants"]]}
     wl, results = payload["workload"], payload["variants"]
     rounds = wl["num_rounds"]
     rows = [row_of(r, rounds) for r in results]
@@ -172,7 +189,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="no run: redraw the table, plots and README from bench/results/compare.json")
     args = ap.parse_args(argv)
     if args.replot:
-        import json
         payload = json.loads((RESULTS / "compare.json").read_text())
         return 0 if report(payload, write_readme=True) else 1
     wl = QUICK if args.quick else FULL
