@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast bench clean
+.PHONY: run test test-fast bench bench-compare clean
 
 # Mooncake's binaries link against these; installed when missing and we may (root with apt).
 APT_PKGS := libibverbs1 ibverbs-providers libnl-3-200 libnl-route-3-200 libnuma1
@@ -31,6 +31,9 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.engine
+
+bench-compare: $(STAMP)
+	$(BIN)/python -m bench.compare --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info

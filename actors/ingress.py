@@ -147,6 +147,10 @@ class RayBackend:
             out[f"strata_worker_queued_tokens|{lab}"] = load.get("queued_tokens", 0)
             out[f"strata_kv_pages_free|{lab}"] = load.get("free_pages", 0)
             out[f"strata_kv_pages_total|{lab}"] = load.get("total_pages", 0)
+            if "host_kv_bytes" in load:
+                out[f"strata_host_kv_bytes|{lab}"] = load["host_kv_bytes"]
+                for d, n in load.get("kv_moved_bytes", {}).items():
+                    out[f'strata_kv_moved_bytes|{lab[:-1]},direction="{d}"}}'] = n
         out.update(await self._eplb_gauges())
         res = await asyncio.gather(*(asyncio.wait_for(h.transfer_stats.remote(), 2) for h in self.workers.values()),
                                    return_exceptions=True)

@@ -55,7 +55,7 @@ class PrefixRouterActor:
         actor only decides. ``avoid``: workers that just failed this request (used only when no
         other worker is left)."""
         prefill = self._avoiding(self._live(("prefill", "colocated")), avoid)
-        worker, ov = route(self.index, keys, prompt_len, prefill, self.cfg)
+        worker, ov = route(self.index, keys, prompt_len, prefill, self.cfg, turn=self.decisions)
         decode = None
         if self.roles[worker] == "prefill":
             decode = pick_decode(self._avoiding(self._live(("decode",)), avoid))

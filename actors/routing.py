@@ -16,12 +16,15 @@ from storage.hashing import DEFAULT_SEED, page_keys
 
 L3_WORKER = "L3"
 TIER_RANK = {"L1": 0, "L2": 1, "L3": 2}
+ROUTE_POLICIES = ("prefix", "round_robin")
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     """Route = argmin over prefill workers of
     ``miss_weight * uncached tokens + sum(tier_weight[t] * tokens served from t) + load_weight * queued``.
+    ``policy: round_robin`` ignores the cache and load and takes the workers in turn (a baseline for
+    benchmarks: what prefix-aware routing is compared against).
     """
 
     page_size: int = 16
@@ -33,8 +36,11 @@ class RouterConfig:
     l3_weight: float = 0.3
     load_weight: float = 1.0         # per queued prefill token of the worker
     running_weight: float = 16.0     # per running request of the worker
+    policy: str = "prefix"           # prefix | round_robin
 
     def __post_init__(self) -> None:
+        if self.policy not in ROUTE_POLICIES:
+            raise ValueError(f"policy must be one of {ROUTE_POLICIES}, got {self.policy!r}")
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {self.page_size!r}")
         if not isinstance(self.window_pages, int) or self.window_pages < 0:
@@ -148,10 +154,14 @@ def prompt_keys(tokens: Sequence[int], cfg: RouterConfig) -> list[bytes]:
 
 
 def route(index: PrefixIndex, keys: Sequence[bytes], prompt_len: int, loads: Mapping[str, dict],
-          cfg: RouterConfig) -> tuple[str, Overlap]:
-    """The prefill worker with the lowest cost for this prompt (ties: the first in ``loads`` order)."""
+          cfg: RouterConfig, turn: int = 0) -> tuple[str, Overlap]:
+    """The prefill worker with the lowest cost for this prompt (ties: the first in ``loads`` order).
+    ``round_robin``: the ``turn``-th worker of ``loads`` (the caller counts its decisions)."""
     if not loads:
         raise ValueError("no prefill worker is available")
+    if cfg.policy == "round_robin":
+        worker = list(loads)[turn % len(loads)]
+        return worker, index.overlap(keys, worker, cfg.window_pages)
     best = None
     overlaps = index.overlap_all(keys, list(loads), cfg.window_pages)
     ps = cfg.page_size

@@ -198,9 +198,14 @@ class AsyncEngine:
         s = self.engine.scheduler
         queued = sum(r.remaining for r in list(s.waiting)) + sum(r.remaining for r in list(s.running)
                                                                   if not r.is_decoding)
-        return {"queued_tokens": queued, "running": len(s.running), "waiting": len(s.waiting),
-                "free_pages": self.engine.pools.full.allocator.num_free,
-                "total_pages": self.engine.pools.full.num_pages}
+        out = {"queued_tokens": queued, "running": len(s.running), "waiting": len(s.waiting),
+               "free_pages": self.engine.pools.full.allocator.num_free,
+               "total_pages": self.engine.pools.full.num_pages}
+        cache = self.engine.cache
+        if cache is not None and cache.host is not None:  # for /metrics: host memory and tier traffic
+            out["host_kv_bytes"] = sum(cache.host.bytes_used().values())
+            out["kv_moved_bytes"] = dict(cache.stats["bytes"])
+        return out
 
     async def stats(self) -> dict:
         return await self.call(lambda e: e.stats())

@@ -9,7 +9,9 @@ and moves pages between the tiers under the write policy:
 * ``write_back``: only when L1 evicts it.
 
 SWA components only ever hold a sequence's last window (the engine frees the rest as it slides), so an
-SWA-aware backup moves only that window. Load-back copies L2 pages into fresh L1 pages before the
+SWA-aware backup moves only that window. ``swa_backup="all"`` is the SWA-oblivious baseline: every full
+page backed up also takes a host SWA page, as a host pool that keeps every layer of every token would
+(where the window has slid past there is no data to put in it, so it is reserved, never served). Load-back copies L2 pages into fresh L1 pages before the
 request that hit them runs.
 """
 from __future__ import annotations
@@ -63,6 +65,8 @@ class HiCache:
         self.copier = Copier() if cfg is not None else None
         self._loading: dict[int, LayerFuture] = {}      # node id -> its load into L1, until polled
         self._backing_up: dict[tuple[int, str], list[int]] = {}  # (node id, component) -> L2 pages
+        # swa_backup="all": full L2 page -> the host SWA page reserved beside it (freed with it)
+        self._oblivious: dict[int, int] = {}
         self.l3 = None
         if cfg is not None and cfg.l3 is not None:
             from storage.hicache_l3 import L3Tier
@@ -190,6 +194,25 @@ class HiCache:
                 self.pools.pool(c).allocator.free(pages)
             else:
                 self.host.pool(c).allocator.free(pages)
+                if c == FULL:
+                    self._release_oblivious(pages)
+
+    def _reserve_oblivious(self, node: Node, full_l2: list[int]) -> None:
+        """SWA-oblivious backup: host SWA room beside each backed-up full page whose SWA data the tree
+        no longer has (the SWA-aware backup copies the pages that still have it, as usual)."""
+        if self.cfg.swa_backup != "all" or not self.has_swa or node.l1[SWA] is not None \
+                or node.l2[SWA] is not None:
+            return
+        if not self._host_room(SWA, len(full_l2)):
+            return
+        for f, s in zip(full_l2, self.host.swa.allocator.alloc(len(full_l2))):
+            self._oblivious[f] = s
+
+    def _release_oblivious(self, full_l2: list[int]) -> None:
+        if self._oblivious:
+            room = [self._oblivious.pop(p) for p in full_l2 if p in self._oblivious]
+            if room:
+                self.host.swa.allocator.free(room)
 
     # ---- tier moves ----------------------------------------------------------------------------------
     def _backup(self, node: Node, now: float) -> None:
@@ -210,6 +233,10 @@ class HiCache:
         if not self._host_room(c, node.num_pages):
             return False
         dst = host.allocator.alloc(node.num_pages)
+        if c == FULL:
+            self._reserve_oblivious(node, dst)
+        elif node.l2[FULL] is not None:
+            self._release_oblivious(list(node.l2[FULL]))  # the real SWA copy takes the reserved room's place
         src = list(node.l1[c])
         l1 = self.pools.pool(c).flat()
         self._count("L1->L2", node.num_pages, host.page_bytes)
@@ -244,6 +271,8 @@ class HiCache:
                         self.l3.write(x, c)
                 x = x.parent
             host.allocator.free(unused)
+            if c == FULL:
+                self._release_oblivious(unused)
 
         fut = LayerFuture({})
         self.copier.submit(Job(run, fut, done, tag=f"backup {c}"))
@@ -348,8 +377,15 @@ class HiCache:
         if self.host is not None:
             for c in COMPONENTS:
                 pending = [p for (_, pc), pages in self._backing_up.items() if pc == c for p in pages]
-                self.host.pool(c).allocator.check_integrity({"tree": self.tree.all_pages(c, L2),
-                                                             "backups in flight": pending})
+                owners = {"tree": self.tree.all_pages(c, L2), "backups in flight": pending}
+                if c == SWA:
+                    owners["oblivious reservations"] = list(self._oblivious.values())
+                self.host.pool(c).allocator.check_integrity(owners)
+            live_full = set(self.tree.all_pages(FULL, L2)) | {
+                p for (_, pc), pages in self._backing_up.items() if pc == FULL for p in pages}
+            stray = [p for p in self._oblivious if p not in live_full]
+            if stray:
+                raise AssertionError(f"oblivious SWA room reserved beside freed full L2 pages {stray[:5]}")
 
     def usage(self) -> dict:
         out = {"L1": {c: self.tree.num_pages(c, L1) for c in COMPONENTS}}
