@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 from actors.routing import RouterConfig
+from actors.storage import StorageConfig
 from engine.config import EngineConfig
 from storage.config import HiCacheConfig
 from storage.l3.config import L3Config, MooncakeConfig, NixlConfig
@@ -74,6 +75,7 @@ class ClusterConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)   # the L3 StorageActor (actors/storage.py)
 
 
 def _build(cls, data: Any, path: str):
@@ -98,7 +100,8 @@ def _build(cls, data: Any, path: str):
 _NESTED = {(HiCacheConfig, "l3"): L3Config, (L3Config, "mooncake"): MooncakeConfig,
            (L3Config, "nixl"): NixlConfig, (ClusterConfig, "engine"): EngineConfig, (ClusterConfig, "workers"): WorkersConfig,
            (ClusterConfig, "router"): RouterConfig, (ClusterConfig, "server"): ServerConfig,
-           (ClusterConfig, "ray"): RayConfig, (EngineConfig, "hicache"): HiCacheConfig}
+           (ClusterConfig, "ray"): RayConfig, (EngineConfig, "hicache"): HiCacheConfig,
+           (ClusterConfig, "storage"): StorageConfig}
 
 
 def from_dict(data: dict) -> ClusterConfig:

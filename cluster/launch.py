@@ -36,10 +36,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # n
 
 from actors.ingress import Ingress  # noqa: E402
 from actors.router import PrefixRouterActor  # noqa: E402
+from actors.storage import StorageActor  # noqa: E402
 from actors.worker import WorkerActor  # noqa: E402
 from cluster.config import ClusterConfig, load_config  # noqa: E402
 from engine.model.config import ModelConfig  # noqa: E402
 from engine.model.loader import resolve_model_path  # noqa: E402
+from engine.engine import model_id  # noqa: E402
 
 
 def init_ray(cfg: ClusterConfig, address: str | None = None) -> None:
@@ -65,6 +67,11 @@ def deploy(cfg: ClusterConfig, detached: bool = False, ready_timeout: float = 12
     life = {"lifetime": "detached"} if detached else {}
     router = PrefixRouterActor.options(name="strata-router", num_cpus=0.1, get_if_exists=True,
                                        **life).remote(router_cfg)
+    storage = _start_storage(cfg, router, life)
+    if storage is not None:   # workers open L3 with the storage actor's connection info
+        l3 = ray.get(storage.worker_config.remote(), timeout=ready_timeout)
+        engine_cfg = dataclasses.replace(engine_cfg, hicache=dataclasses.replace(engine_cfg.hicache, l3=l3))
+        ray.get(router.set_l3_model.remote(model_id(path, mc, engine_cfg)), timeout=ready_timeout)
     roles = ([("colocated", i) for i in range(cfg.workers.colocated)]
              + [("prefill", i) for i in range(cfg.workers.prefill)]
              + [("decode", i) for i in range(cfg.workers.decode)])
@@ -81,6 +88,8 @@ def deploy(cfg: ClusterConfig, detached: bool = False, ready_timeout: float = 12
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
         ).remote(wid, role, engine_cfg, router)
     ray.get([a.start.remote() for a in workers.values()], timeout=ready_timeout)
+    if storage is not None:
+        storage.attach.remote(workers)
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
         st = ray.get(router.status.remote())
@@ -96,8 +105,18 @@ def deploy(cfg: ClusterConfig, detached: bool = False, ready_timeout: float = 12
         router, workers, s.model_name, str(path), mc.vocab_size, mc.max_position_embeddings,
         s.request_timeout, s.max_inflight)
     serve.run(app, name="strata", route_prefix="/", blocking=False)
-    return {"router": router, "workers": workers, "placement_group": pg,
+    return {"router": router, "workers": workers, "placement_group": pg, "storage": storage,
             "url": f"http://{s.host}:{s.port}", "model_path": str(path)}
+
+
+def _start_storage(cfg: ClusterConfig, router, life: dict):
+    """The StorageActor owning the L3 service, when the engine has an L3 tier (else None)."""
+    hc = cfg.engine.hicache
+    if hc is None or hc.l3 is None or not cfg.storage.enabled:
+        return None
+    storage = StorageActor.options(name="strata-storage", num_cpus=cfg.storage.num_cpus, get_if_exists=True,
+                                   **life).remote(hc.l3, cfg.storage, router)
+    return storage
 
 
 def shutdown(handles: dict | None = None) -> None:
@@ -108,6 +127,12 @@ def shutdown(handles: dict | None = None) -> None:
     if handles:
         for a in list(handles["workers"].values()) + [handles["router"]]:
             ray.kill(a, no_restart=True)
+        if handles.get("storage") is not None:
+            try:
+                ray.get(handles["storage"].shutdown.remote(), timeout=30)   # stops the master it started
+            except Exception:
+                pass
+            ray.kill(handles["storage"], no_restart=True)
 
 
 def main(argv: list[str] | None = None) -> int:
