@@ -3,7 +3,8 @@
 It owns what the workers' L3 clients share:
 
 * ``mooncake``: a real ``mooncake_master`` on the configured address (loopback by default), restarted
-  when it dies (it comes back empty: the router is told to forget every L3 page);
+  when it dies (it comes back empty: the router is told to forget every L3 page), and a client whose
+  segment (``capacity_bytes``) holds the pages: workers prefer it, so pages outlive their writer;
 * ``file`` / ``nixl`` (POSIX): the directory and its evictor. Workers open the directory with
   ``evict=False`` (a write that would pass the cap fails instead), and the service evicts least recently
   used pages once more than ``high_water`` of the cap is used, down to ``low_water``, reporting the evicted
@@ -59,6 +60,7 @@ class StorageService:
             raise ValueError(f"l3 must be an L3Config, got {type(l3).__name__}")
         self.l3, self.cfg = l3, cfg or StorageConfig()
         self.master = None
+        self.client = None
         self.store = None
         self.restarts = 0
         self.evicted = 0
@@ -67,6 +69,12 @@ class StorageService:
             from storage.l3.mooncake import MooncakeMaster
             host, port = l3.mooncake.master_addr.rsplit(":", 1)
             self.master = MooncakeMaster(host, int(port), log_path=self._log).start()
+            # The service's own client contributes the L3 memory (``capacity_bytes``) and workers place
+            # pages there: a Mooncake object lives in a client's segment, so pages written into a
+            # worker's segment would vanish when that worker stops.
+            from storage.l3.mooncake import MooncakeStore
+            self.client = MooncakeStore(dataclasses.replace(
+                l3, mooncake=dataclasses.replace(l3.mooncake, master_addr=self.master.addr, preferred_segment="")))
         elif l3.backend == "file" or l3.nixl.mode == "posix":
             from storage.l3.file import FileStore
             # The evictor's own view of the directory (a plain file store: the bytes are the same).
@@ -77,7 +85,8 @@ class StorageService:
         """The L3Config a worker opens its store with."""
         l3 = self.l3
         if self.master is not None:
-            return dataclasses.replace(l3, mooncake=dataclasses.replace(l3.mooncake, master_addr=self.master.addr))
+            return dataclasses.replace(l3, mooncake=dataclasses.replace(
+                l3.mooncake, master_addr=self.master.addr, preferred_segment=self.client.segment_name()))
         if self.store is not None:
             return dataclasses.replace(l3, path=l3.resolved_path(), evict=False)
         return l3
@@ -118,6 +127,8 @@ class StorageService:
         return out
 
     def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
         if self.master is not None:
             self.master.stop()
         if self.store is not None:

@@ -108,8 +108,9 @@ def run_backend(backend: str, geo: str, root: str, pages: int, reps: int, server
     layers, _, _, ps, dtype = GEOMETRIES[geo]
     src = _pool(geo, pages)
     dst = torch.zeros(pages, layers, _elems(geo), dtype=dtype)
-    store = make_store(_cfg(backend, root, 3 * pages * (HEADER_BYTES + _page_bytes(geo)), server_addr,
-                            nixl_params or {}))
+    # (Mooncake refuses small segments: setup fails with INVALID_PARAMS under a few MiB.)
+    capacity = max(64 << 20, 3 * pages * (HEADER_BYTES + _page_bytes(geo)))
+    store = make_store(_cfg(backend, root, capacity, server_addr, nixl_params or {}))
     store.register(src)
     store.register(dst)
     nbytes = src.nbytes
@@ -172,8 +173,7 @@ def _ttft(backend: str, root: str, reps: int, server_addr: str | None, nixl_para
     prompt = torch.randint(0, 256, (TTFT_WINDOWS * window,), generator=g).tolist()
     a = cached()
     a.generate([prompt], SamplingParams(max_new_tokens=1))
-    a.cache.poll(block=True)
-    a.close()
+    a.cache.poll(block=True)   # A stays open: a Mooncake object lives in its writer's segment
     one = SamplingParams(max_new_tokens=1, ignore_eos=True)
     ref = Engine.from_pretrained("strata-tiny", **common)
     t_l3 = t_re = float("inf")
@@ -192,6 +192,7 @@ def _ttft(backend: str, root: str, reps: int, server_addr: str | None, nixl_para
         l3_tokens = out.cached_tokens_by_tier["L3"]
         if rep:
             t_l3, t_re = min(t_l3, t1 - t0), min(t_re, t2 - t1)
+    a.close()
     return dict(backend=backend, prompt_tokens=len(prompt) + TTFT_QUESTION, l3_tokens=l3_tokens,
                 ttft_l3_ms=t_l3 * 1e3, ttft_recompute_ms=t_re * 1e3, speedup=t_re / t_l3)
 

@@ -1,8 +1,9 @@
-"""The L3 side of the tier controller: write-through of L2 pages to the shared store, and extending a
-prefix match with pages other workers (or an earlier life of this one) left in L3.
+"""The L3 side of the tier controller: write-through of L2 pages to the shared store, and installing the
+pages other workers (or an earlier life of this one) left in L3 once the prefetcher
+(storage/hicache_prefetch.py) has read them into L2.
 
 Pages are keyed ``l3_key(model_id, component, page_key)``; the SWA component stores only each sequence's
-last window, like L2. Reads are verified by the store (a failed read is a miss: the match just stops
+last window, like L2. Reads are verified by the store (a failed read is a miss: the prefix just stops
 short, never wrong tokens).
 """
 from __future__ import annotations

@@ -73,6 +73,7 @@ class MooncakeConfig:
     segment_bytes: int = 0
     local_buffer_bytes: int = 16 * MiB
     replicas: int = 1
+    preferred_segment: str = ""     # place new objects in this client's segment (the storage actor's), "" any
     op_timeout_s: float = 5.0       # a batch call that takes longer is a miss / a failed set
     retry_after_s: float = 2.0      # after a timeout or an RPC failure, skip calls for this long
     setup_timeout_s: float = 30.0
@@ -87,6 +88,7 @@ class MooncakeConfig:
         _int(self, "segment_bytes", 0)
         _int(self, "local_buffer_bytes", 1 * MiB)
         _int(self, "replicas", 1)
+        _str(self, "preferred_segment", allow_empty=True)
         for name in ("op_timeout_s", "retry_after_s", "setup_timeout_s"):
             _pos(self, name)
 

@@ -67,6 +67,8 @@ class MooncakeStore(L3Store):
         self._client = MooncakeDistributedStore()
         self._rc = ReplicateConfig()
         self._rc.replica_num = mc.replicas
+        if mc.preferred_segment:   # a long-lived owner's memory: pages outlive the worker that wrote them
+            self._rc.preferred_segment = mc.preferred_segment
         self._down_until = 0.0
         self._abandoned: list = []
         self._reg_lock = threading.Lock()
@@ -229,6 +231,10 @@ class MooncakeStore(L3Store):
                 self._client.unregister_buffer(start)
             self._regions.clear()
         self._client.close()
+
+    def segment_name(self) -> str:
+        """The name other clients use to prefer this client's segment (``preferred_segment``)."""
+        return self._client.get_hostname()
 
     @property
     def raw(self):

@@ -12,6 +12,7 @@ import torch
 from actors.routing import L3_WORKER, PrefixIndex
 from actors.storage import StorageConfig, StorageService
 from engine import Engine, SamplingParams
+from engine.request import Status
 from storage.config import HiCacheConfig
 from storage.hashing import page_keys
 from storage.l3 import L3Config, l3_key, make_store
@@ -99,19 +100,34 @@ def test_killed_master_means_misses_until_the_service_restarts_it(mooncake_maste
 
     g = torch.Generator().manual_seed(9)
 
-    def turn(a, b):
+    def turn(a, b, during=None):
         p = torch.randint(0, 256, (200,), generator=g).tolist()
         first = a.generate([p], SP)[0]
         a.cache.poll(block=True)
         t2 = p + first.token_ids + [3] * 20
-        got = b.generate([t2], SP)[0]
+        rid = b.add_request(t2, SP)
+        b.step()                                   # B's L3 lookup is under way
+        if during is not None:
+            during()
+        while b.requests[rid].status is not Status.FINISHED:
+            b.step()
+        got = b.pop_finished(rid)
         assert got.token_ids == ref.generate([t2], SP)[0].token_ids
         return got.cached_tokens_by_tier["L3"]
 
     a, b = engine(), engine()
     try:
         assert turn(a, b) == 192
-        svc.master.kill()
+        # Pages live in the service's segment (preferred), not the writer's: they outlive engine A.
+        p = torch.randint(0, 256, (200,), generator=g).tolist()
+        w = engine()
+        t2 = p + w.generate([p], SP)[0].token_ids + [5] * 20
+        w.cache.poll(block=True)
+        w.close()
+        got = b.generate([t2], SP)[0]
+        assert got.cached_tokens_by_tier["L3"] == 192 and got.token_ids == ref.generate([t2], SP)[0].token_ids
+        got = turn(a, b, during=svc.master.kill)  # killed while B is serving
+        assert got in (0, 192)                     # (B's lookup may have beaten the kill)
         assert turn(a, b) == 0                     # misses, same tokens, no hang
         assert turn(a, b) == 0
         assert svc.supervise() and not svc.supervise()
