@@ -40,6 +40,18 @@ def test_storage_config_validation():
         StorageService({"backend": "file"})
 
 
+def test_yaml_maps_storage_and_prefetch_settings():
+    from cluster.config import from_text
+
+    cfg = from_text("storage: {high_water: 0.5, low_water: 0.2}\n"
+                    "engine: {enable_prefix_cache: true, hicache: {l3: {prefetch_policy: best_effort}}}")
+    assert cfg.storage.high_water == 0.5 and cfg.engine.hicache.l3.prefetch_policy == "best_effort"
+    with pytest.raises(ValueError, match="storage.low_water"):
+        from_text("storage: {high_water: 0.5, low_water: 0.7}")
+    with pytest.raises(ValueError, match="prefetch_policy"):
+        from_text("engine: {enable_prefix_cache: true, hicache: {l3: {prefetch_policy: soon}}}")
+
+
 def test_file_evictor_keeps_cap_and_router_forgets_evicted_pages(tmp_path):
     cap = 40 * PAGE
     svc = StorageService(L3Config(backend="file", path=str(tmp_path / "l3"), capacity_bytes=cap),
