@@ -217,3 +217,44 @@ def test_file_store_never_exceeds_its_cap(tmp_path, ref):
     st = b.cache.l3.store.stats()
     assert st["evictions"] > 0 and st["sets_ok"] * page > 3 * cap   # several times the cap went through
     _done(b)
+
+
+def test_abort_while_prefetching_frees_everything(written, l3dir):
+    _, prompt, turn2, want = written
+    b = _engine(l3dir)
+    gate = _gate(b)
+    r = b.add_request(turn2, SP)
+    for _ in range(3):
+        b.step()
+    assert b.requests[r].status is Status.WAITING and b.cache.prefetching()
+    b.check_integrity()                                  # host pages of the read in flight are owned
+    assert b.abort(r)
+    b.pop_finished(r)
+    b.check_integrity()
+    gate.set()
+    b.cache.poll(block=True)
+    assert b.cache.host.all_free() and b.pools.all_free()
+    _done(b)
+
+
+def test_pages_only_l3_still_holds_come_back(tmp_path, ref):
+    """Small L1 and L2: an early conversation falls out of both (its nodes keep only the L3 flag); coming
+    back to it prefetches it from L3 into those nodes."""
+    b = Engine.from_pretrained("strata-tiny", page_size=PS, num_pages=48, enable_prefix_cache=True, poison_kv=True,
+                               hicache=HiCacheConfig(host_pages=64, l3=L3Config(backend="file", path=str(tmp_path),
+                                                                               prefetch_policy="wait_complete")))
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 256, (300,), generator=g).tolist() for _ in range(6)]
+    outs = [b.generate([p], SP)[0] for p in prompts]
+    for p, o in zip(prompts, outs):
+        b.cache.poll(block=True)
+        assert o.token_ids == ref.generate([p], SP)[0].token_ids
+    assert b.stats()["cache"]["evicted_pages"]["L2"] > 0
+    again = prompts[0] + outs[0].token_ids + [7] * 20
+    first = b.cache.tree.root.children[b.cache.tree.page_keys(prompts[0][:PS])[0]]
+    assert first.l1["full"] is None and first.l2["full"] is None and first.l3["full"]   # an L3-only node
+    got = b.generate([again], SP)[0]
+    assert got.token_ids == ref.generate([again], SP)[0].token_ids
+    assert got.cached_tokens_by_tier["L3"] > 0, got.cached_tokens_by_tier
+    b.check_integrity()
+    _done(b)
