@@ -55,6 +55,10 @@ class PrefixRouterActor:
         self.index.apply(L3_WORKER, events)
         return len(events)
 
+    def l3_entries(self) -> list[tuple[str, str]]:
+        """(store key, object name) of the L3 pages the router counts, for the storage actor's audit."""
+        return self.l3_names.entries() if self.l3_names is not None else []
+
     def l3_reset(self) -> int:
         """The store lost everything (its server restarted empty). Returns the pages dropped."""
         if self.l3_names is not None:

@@ -64,6 +64,7 @@ class StorageService:
         self.store = None
         self.restarts = 0
         self.evicted = 0
+        self._evicted_seen = 0.0
         self._log = os.path.join(log_dir, "mooncake_master.log") if log_dir else None
         if l3.backend == "mooncake":
             from storage.l3.mooncake import MooncakeMaster
@@ -99,6 +100,28 @@ class StorageService:
         self.evicted += len(names)
         return names
 
+    def master_evicted(self) -> bool:
+        """True when the master evicted objects since the last call (Mooncake evicts by itself when its
+        segments fill; which keys it dropped is not reported, so the caller audits)."""
+        if self.master is None:
+            return False
+        n = self.master.metrics().get("master_evicted_key_count", 0.0)
+        seen, self._evicted_seen = self._evicted_seen, max(self._evicted_seen, n)
+        return n > seen
+
+    def audit(self, entries: list[tuple[str, str]], batch: int = 512) -> list[str]:
+        """Names among ``entries`` ((store key, object name), the router's view) the store no longer has."""
+        if self.client is None or not entries:
+            return []
+        gone = []
+        for i in range(0, len(entries), batch):
+            chunk = entries[i:i + batch]
+            res = self.client.present([k for k, _ in chunk])
+            if res is None:          # the master is unreachable: no verdict (a restart resets anyway)
+                return gone
+            gone += [name for (_, name), ok in zip(chunk, res) if not ok]
+        return gone
+
     def supervise(self) -> bool:
         """Restart a dead mooncake_master on its address; True when it did (the store is empty again)."""
         m = self.master
@@ -107,6 +130,7 @@ class StorageService:
         log.warning("mooncake_master %s died (code %s); restarting", m.addr, m.proc.returncode if m.proc else None)
         m.start()
         self.restarts += 1
+        self._evicted_seen = 0.0   # the new master counts from zero
         return True
 
     def status(self, worker_stats: list[dict] | None = None) -> dict:
@@ -122,8 +146,13 @@ class StorageService:
             out.update(path=self.store.root, used_bytes=self.store.used_bytes())
         if self.master is not None:
             alive = self.master.proc is not None and self.master.proc.poll() is None
+            m = self.master.metrics() if alive else {}
             out["master"] = {"addr": self.master.addr, "pid": self.master.proc.pid if self.master.proc else None,
-                             "alive": alive, "restarts": self.restarts}
+                             "alive": alive, "restarts": self.restarts, "keys": m.get("master_key_count"),
+                             "evicted_keys": m.get("master_evicted_key_count")}
+            if "master_allocated_bytes" in m:
+                out.update(used_bytes=int(m["master_allocated_bytes"]),
+                           segments_bytes=int(m.get("master_total_capacity_bytes", 0)))
         return out
 
     def close(self) -> None:
@@ -153,13 +182,7 @@ class StorageActor:
     def _loop(self) -> None:
         while not self._stop.wait(self.service.cfg.evict_interval_s):
             try:
-                with self._lock:
-                    names = self.service.evict()
-                    restarted = self.service.supervise()
-                if self.router is not None and names:
-                    ray.get(self.router.l3_evicted.remote(names), timeout=30)
-                if self.router is not None and restarted:
-                    ray.get(self.router.l3_reset.remote(), timeout=30)
+                self._pass()
             except Exception as e:  # noqa: BLE001 - the next pass retries
                 log.warning("storage pass failed: %r", e)
 
@@ -170,17 +193,26 @@ class StorageActor:
         """The workers whose L3 counts ``status()`` sums."""
         self.workers = dict(workers)
 
-    def run_once(self) -> dict:
-        """One evictor/supervisor pass now (operators, tests); returns what it did."""
+    def _pass(self, audit: bool = False) -> dict:
         with self._lock:
             names = self.service.evict()
             restarted = self.service.supervise()
+            audit = (audit or self.service.master_evicted()) and not restarted
         dropped = 0
+        if self.router is not None and audit:   # Mooncake evicted on its own: check what the router counts
+            entries = ray.get(self.router.l3_entries.remote(), timeout=30)
+            with self._lock:
+                names = names + self.service.audit(entries)
         if self.router is not None and names:
             dropped += ray.get(self.router.l3_evicted.remote(names), timeout=30)
         if self.router is not None and restarted:
             dropped += ray.get(self.router.l3_reset.remote(), timeout=30)
         return {"evicted": len(names), "restarted": restarted, "router_pages_dropped": dropped}
+
+    def run_once(self, audit: bool = False) -> dict:
+        """One evictor/supervisor pass now (operators, tests); ``audit`` also checks every page the router
+        counts against the store. Returns what it did."""
+        return self._pass(audit)
 
     def status(self) -> dict:
         stats = []

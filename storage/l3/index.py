@@ -42,5 +42,9 @@ class L3NameIndex:
                 out.append(KVEvent("removed", L3, hit[0], (hit[1],)))
         return out
 
+    def entries(self) -> list[tuple[str, str]]:
+        """(store key, object name) of every page this index believes the store holds (for an audit)."""
+        return [(l3_key(self.model_id, c, k), name) for name, (c, k) in self._names.items()]
+
     def clear(self) -> None:
         self._names.clear()
