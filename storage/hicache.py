@@ -10,7 +10,9 @@ and moves pages between the tiers under the write policy:
 
 SWA components only ever hold a sequence's last window (the engine frees the rest as it slides), so an
 SWA-aware backup moves only that window. Load-back copies L2 pages into fresh L1 pages before the
-request that hit them runs.
+request that hit them runs. Pages only L3 holds come from the prefetcher (storage/hicache_prefetch.py):
+``prefetch_begin`` reads them into L2 in the background while the request waits, ``prefetch_ready``
+applies the prefetch policy, and ``match(..., prefetch=)`` installs what arrived after the L1/L2 prefix.
 """
 from __future__ import annotations
 
