@@ -5,14 +5,19 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast bench bench-compare clean
+.PHONY: run test test-fast bench bench-compare clean sysdeps
 
-# Mooncake's binaries link against these; installed when missing and we may (root with apt).
+# Mooncake's binaries link against these; installed when missing and we may (root with apt), checked on
+# every run/test (a dpkg query), not only when the venv is built.
 APT_PKGS := libibverbs1 ibverbs-providers libnl-3-200 libnl-route-3-200 libnuma1
 
+sysdeps:
+	@if command -v dpkg >/dev/null && ! dpkg -s $(APT_PKGS) >/dev/null 2>&1; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PKGS) >/dev/null; \
+		else echo "note: Mooncake (L3 backend) needs: apt-get install $(APT_PKGS)"; fi; fi
+
 $(STAMP): pyproject.toml
-	@if ! dpkg -s $(APT_PKGS) >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PKGS) >/dev/null; fi
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
@@ -20,19 +25,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-run: $(STAMP)
+run: sysdeps $(STAMP)
 	$(BIN)/strata serve
 
-test: $(STAMP)
+test: sysdeps $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-test-fast: $(STAMP)
+test-fast: sysdeps $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: sysdeps $(STAMP)
 	$(BIN)/python -m bench.engine
 
-bench-compare: $(STAMP)
+bench-compare: sysdeps $(STAMP)
 	$(BIN)/python -m bench.compare --quick
 
 clean:

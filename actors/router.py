@@ -20,6 +20,7 @@ class PrefixRouterActor:
         self.dropped: set[str] = set()
         self.stale_after = stale_after
         self.decisions = 0
+        self.l3_names = None          # storage/l3/index.py, once the storage actor runs (set_l3_model)
 
     def report(self, worker: str, role: str, events: list, load: dict, fresh: bool) -> None:
         if worker in self.removed:
@@ -31,6 +32,8 @@ class PrefixRouterActor:
         # events only mean it forgot the node, not that the store dropped the pages, so they are skipped.
         self.index.apply(worker, [e for e in events if e.tier != "L3"])
         self.index.apply(L3_WORKER, [e for e in events if e.tier == "L3" and e.kind == "stored"])
+        if self.l3_names is not None:
+            self.l3_names.stored(events)
         self.loads[worker], self.roles[worker], self.seen[worker] = load, role, time.monotonic()
 
     def config(self) -> RouterConfig:
@@ -38,6 +41,29 @@ class PrefixRouterActor:
 
     def report_l3(self, events: list) -> None:
         self.index.apply("L3", events)
+
+    # ---- the L3 store's own changes (actors/storage.py) -----------------------------------------------
+    def set_l3_model(self, model_id: str) -> None:
+        """Name the model whose pages the L3 store holds, so evicted object names map to page keys."""
+        from storage.l3.index import L3NameIndex
+        if self.l3_names is None or self.l3_names.model_id != model_id:
+            self.l3_names = L3NameIndex(model_id)
+
+    def l3_evicted(self, names: list[str]) -> int:
+        """The store evicted these objects: stop counting their pages. Returns the pages dropped."""
+        events = self.l3_names.removed(names) if self.l3_names is not None else []
+        self.index.apply(L3_WORKER, events)
+        return len(events)
+
+    def l3_entries(self) -> list[tuple[str, str]]:
+        """(store key, object name) of the L3 pages the router counts, for the storage actor's audit."""
+        return self.l3_names.entries() if self.l3_names is not None else []
+
+    def l3_reset(self) -> int:
+        """The store lost everything (its server restarted empty). Returns the pages dropped."""
+        if self.l3_names is not None:
+            self.l3_names.clear()
+        return self.index.drop_worker(L3_WORKER)
 
     def _live(self, roles: tuple[str, ...]) -> dict[str, dict]:
         now = time.monotonic()

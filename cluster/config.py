@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 from actors.routing import RouterConfig
+from actors.storage import StorageConfig
 from engine.config import EngineConfig
 from engine.eplb import EplbConfig
 from storage.config import HiCacheConfig
@@ -90,6 +91,7 @@ class ClusterConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)   # the L3 StorageActor (actors/storage.py)
 
 
 def _build(cls, data: Any, path: str):
@@ -115,7 +117,8 @@ _NESTED = {(HiCacheConfig, "l3"): L3Config, (L3Config, "mooncake"): MooncakeConf
            (L3Config, "nixl"): NixlConfig, (ClusterConfig, "engine"): EngineConfig, (ClusterConfig, "workers"): WorkersConfig,
            (ClusterConfig, "router"): RouterConfig, (ClusterConfig, "server"): ServerConfig,
            (ClusterConfig, "ray"): RayConfig, (EngineConfig, "hicache"): HiCacheConfig,
-           (ClusterConfig, "transfer"): TransferConfig, (EngineConfig, "eplb"): EplbConfig}
+           (ClusterConfig, "transfer"): TransferConfig, (EngineConfig, "eplb"): EplbConfig,
+           (ClusterConfig, "storage"): StorageConfig}
 
 
 def from_dict(data: dict) -> ClusterConfig:

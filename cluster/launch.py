@@ -37,10 +37,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # n
 from actors.eplb import start_rebalancer  # noqa: E402
 from actors.ingress import Ingress  # noqa: E402
 from actors.router import PrefixRouterActor  # noqa: E402
+from actors.storage import StorageActor  # noqa: E402
 from actors.worker import WorkerActor  # noqa: E402
 from cluster.config import ClusterConfig, load_config  # noqa: E402
 from engine.model.config import ModelConfig  # noqa: E402
 from engine.model.loader import resolve_model_path  # noqa: E402
+from engine.engine import model_id  # noqa: E402
 
 
 def init_ray(cfg: ClusterConfig, address: str | None = None) -> None:
@@ -80,6 +82,11 @@ def start_actors(cfg: ClusterConfig, detached: bool = False, ready_timeout: floa
     ns = cfg.ray.namespace
     router = PrefixRouterActor.options(name="strata-router", namespace=ns, num_cpus=0.1, get_if_exists=True,
                                        **life).remote(router_cfg)
+    storage = _start_storage(cfg, router, life)
+    if storage is not None:   # workers open L3 with the storage actor's connection info
+        l3 = ray.get(storage.worker_config.remote(), timeout=ready_timeout)
+        engine_cfg = dataclasses.replace(engine_cfg, hicache=dataclasses.replace(engine_cfg.hicache, l3=l3))
+        ray.get(router.set_l3_model.remote(model_id(path, mc, engine_cfg)), timeout=ready_timeout)
     roles = ([("colocated", i) for i in range(cfg.workers.colocated)]
              + [("prefill", i) for i in range(cfg.workers.prefill)]
              + [("decode", i) for i in range(cfg.workers.decode)])
@@ -104,6 +111,8 @@ def start_actors(cfg: ClusterConfig, detached: bool = False, ready_timeout: floa
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
         ).remote(wid, role, engine_cfg, router, transfer_cfg=cfg.transfer)
     ray.get([a.start.remote() for a in workers.values()], timeout=ready_timeout)
+    if storage is not None:
+        storage.attach.remote(workers)
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
         st = ray.get(router.status.remote())
@@ -117,7 +126,7 @@ def start_actors(cfg: ClusterConfig, detached: bool = False, ready_timeout: floa
     s = cfg.server
     return {"router": router, "workers": workers, "placement_group": pg,
             "url": f"http://{s.host}:{s.port}", "model_path": str(path), "model_config": mc,
-            "eplb": eplb}
+            "eplb": eplb, "storage": storage}
 
 
 def ingress_app(cfg: ClusterConfig, handles: dict, ingress_cls=Ingress):
@@ -130,6 +139,16 @@ def ingress_app(cfg: ClusterConfig, handles: dict, ingress_cls=Ingress):
         mc.max_position_embeddings, s.request_timeout, s.max_inflight)
 
 
+def _start_storage(cfg: ClusterConfig, router, life: dict):
+    """The StorageActor owning the L3 service, when the engine has an L3 tier (else None)."""
+    hc = cfg.engine.hicache
+    if hc is None or hc.l3 is None or not cfg.storage.enabled:
+        return None
+    storage = StorageActor.options(name="strata-storage", num_cpus=cfg.storage.num_cpus, get_if_exists=True,
+                                   **life).remote(hc.l3, cfg.storage, router)
+    return storage
+
+
 def shutdown(handles: dict | None = None) -> None:
     try:
         serve.shutdown()
@@ -140,6 +159,12 @@ def shutdown(handles: dict | None = None) -> None:
             ray.kill(a, no_restart=True)
         if handles.get("eplb") is not None:
             ray.kill(handles["eplb"], no_restart=True)
+        if handles.get("storage") is not None:
+            try:
+                ray.get(handles["storage"].shutdown.remote(), timeout=30)   # stops the master it started
+            except Exception:
+                pass
+            ray.kill(handles["storage"], no_restart=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,7 +53,8 @@ class AsyncEngine:
         while not self._stop:
             busy = self.engine.has_unfinished()
             cache = self.engine.cache
-            copying = cache is not None and cache.copier is not None and cache.copier.num_pending > 0
+            copying = cache is not None and ((cache.copier is not None and cache.copier.num_pending > 0)
+                                             or cache.prefetching())   # an aborted request's L3 read
             try:
                 if busy:
                     cmd = self._cmds.get_nowait()

@@ -28,6 +28,14 @@ from storage.transfer.base import Lease, LeaseTable, plan_pages
 Prompt = Union[str, Sequence[int]]
 
 
+def model_id(model_path, mc, cfg: EngineConfig) -> str:
+    """The L3 namespace of an engine's pages: model, geometry, dtype, page size and L2 layout (the router
+    and the storage actor compute it without building an engine)."""
+    layout = cfg.hicache.layout if cfg.hicache is not None else "-"
+    return (f"{model_path.name}/L{mc.num_hidden_layers}h{mc.hidden_size}kv{mc.num_key_value_heads}"
+            f"d{mc.head_dim}/{cfg.dtype}/p{cfg.page_size}/{layout}")
+
+
 @dataclass
 class GenerationOutput:
     rid: str
@@ -101,10 +109,7 @@ class Engine:
 
     def model_id(self) -> str:
         """Everything that changes a KV page's bytes, for keys shared across workers (L3)."""
-        mc, cfg = self.model_config, self.cfg
-        layout = cfg.hicache.layout if cfg.hicache is not None else "-"
-        return (f"{self.model_path.name}/L{mc.num_hidden_layers}h{mc.hidden_size}kv{mc.num_key_value_heads}"
-                f"d{mc.head_dim}/{cfg.dtype}/p{cfg.page_size}/{layout}")
+        return model_id(self.model_path, self.model_config, self.cfg)
 
     @classmethod
     def from_pretrained(cls, model: str = "strata-tiny", **kwargs) -> "Engine":
@@ -262,6 +267,8 @@ class Engine:
             self.cache.poll()
         seqs = self.scheduler.schedule()
         if not seqs:
+            if self.cache is not None and self.cache.prefetching():
+                self.cache.wait_prefetch(0.005)   # only prefetching requests: don't spin on the GIL
             return []
         try:
             logits = self.runner.run(seqs)

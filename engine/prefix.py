@@ -3,6 +3,8 @@ prefix at admission, gives its pages to the cache when it finishes, and the cach
 before the scheduler preempts anyone."""
 from __future__ import annotations
 
+import time
+
 from engine.request import Request
 from engine.scheduler import SchedulerHooks
 from storage.hicache import HiCache
@@ -10,17 +12,32 @@ from storage.pools import KVPools
 
 
 class PrefixCacheHooks(SchedulerHooks):
-    def __init__(self, cache: HiCache, pools: KVPools, clock) -> None:
+    def __init__(self, cache: HiCache, pools: KVPools, clock, wall_clock=time.monotonic) -> None:
         self.cache = cache
         self.pools = pools
         self.clock = clock  # () -> float, the engine's logical time
+        self.wall_clock = wall_clock  # () -> seconds, for prefetch deadlines
+
+    def ready(self, req: Request) -> bool:
+        """A request whose prefix continues in L3 waits while the pages are prefetched into L2, until
+        the prefetch policy lets it go (storage/hicache_prefetch.py)."""
+        if self.cache.l3 is None or req.hit is not None or req.num_computed:
+            return True
+        now = self.wall_clock()
+        if req.prefetch is None:
+            req.prefetch = self.cache.prefetch_begin(req.tokens(0, req.seq_len), self._max_pages(req), now)
+            return req.prefetch is None
+        return self.cache.prefetch_ready(req.prefetch, now)
+
+    def _max_pages(self, req: Request) -> int:
+        # At least one token must run through the model to produce the next token's logits.
+        return (req.seq_len - 1) // self.cache.page_size
 
     def on_admit(self, req: Request) -> None:
         if req.hit is not None or req.num_computed:
             return
-        # At least one token must run through the model to produce the next token's logits.
-        hit = self.cache.match(req.tokens(0, req.seq_len), (req.seq_len - 1) // self.cache.page_size,
-                               self.clock())
+        prefetch, req.prefetch = req.prefetch, None
+        hit = self.cache.match(req.tokens(0, req.seq_len), self._max_pages(req), self.clock(), prefetch=prefetch)
         if hit.num_pages == 0:
             req.cached_tokens = 0
             req.cached_by_tier = dict(hit.tokens_by_tier)
@@ -37,6 +54,9 @@ class PrefixCacheHooks(SchedulerHooks):
         req.cached_by_tier = dict(hit.tokens_by_tier)
 
     def on_release(self, req: Request) -> None:
+        if req.prefetch is not None:
+            self.cache.prefetch_release(req.prefetch)
+            req.prefetch = None
         if req.hit is not None:
             self.cache.release(req.hit)
             req.hit = None

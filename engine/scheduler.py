@@ -52,6 +52,10 @@ def swa_pages_bound(window: int, page_size: int) -> int:
 class SchedulerHooks:
     """What the prefix cache plugs into the scheduler; the defaults are "no cache"."""
 
+    def ready(self, req: Request) -> bool:
+        """May this waiting request be admitted now? (False: its cached prefix is still arriving.)"""
+        return True
+
     def on_admit(self, req: Request) -> None:
         """Before a waiting request's first chunk: may borrow cached pages and advance num_computed."""
 
@@ -129,8 +133,12 @@ class Scheduler:
             out.append(seq)
             scheduled.add(req.rid)
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            req = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_running:
+            req = self.waiting[i]
+            if not self.hooks.ready(req):   # held back (L3 prefetch): the ones behind it may go
+                i += 1
+                continue
             self.hooks.on_admit(req)
             n = min(req.remaining, budget, self.chunk_size)
             seq = self._reserve(req, n)
@@ -138,7 +146,7 @@ class Scheduler:
                 self.release(req)
                 req.num_computed = 0
                 break  # wait for pages to come back; FIFO keeps long prompts from starving
-            self.waiting.popleft()
+            del self.waiting[i]
             req.status = Status.RUNNING
             self.running.append(req)
             out.append(seq)

@@ -11,8 +11,11 @@ and moves pages between the tiers under the write policy:
 SWA components only ever hold a sequence's last window (the engine frees the rest as it slides), so an
 SWA-aware backup moves only that window. ``swa_backup="all"`` is the SWA-oblivious baseline: every full
 page backed up also takes a host SWA page, as a host pool that keeps every layer of every token would
-(where the window has slid past there is no data to put in it, so it is reserved, never served). Load-back copies L2 pages into fresh L1 pages before the
-request that hit them runs.
+(where the window has slid past there is no data to put in it, so it is reserved, never served).
+Load-back copies L2 pages into fresh L1 pages before the request that hit them runs. Pages only L3 holds
+come from the prefetcher (storage/hicache_prefetch.py): ``prefetch_begin`` reads them into L2 in the
+background while the request waits, ``prefetch_ready`` applies the prefetch policy, and
+``match(..., prefetch=)`` installs what arrived after the L1/L2 prefix.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from storage.config import HiCacheConfig
 from storage.host import HostPools
 from storage.pools import COMPONENTS, FULL, SWA, KVPools
 from storage.radix import Freed, Node, RadixTree
-from storage.radix_node import L1, L2
+from storage.radix_node import L1, L2, L3
 from storage.copier import Copier, Job, LayerFuture
 from storage.hashing import DEFAULT_SEED
 
@@ -84,26 +87,30 @@ class HiCache:
         return COMPONENTS if self.has_swa else (FULL,)
 
     # ---- lookups ---------------------------------------------------------------------------------
-    def match(self, tokens: Sequence[int], max_pages: int, now: float) -> PrefixHit:
+    def match(self, tokens: Sequence[int], max_pages: int, now: float, prefetch=None) -> PrefixHit:
         """Longest usable cached prefix of ``tokens`` (at most ``max_pages`` pages), loaded into L1 and
-        locked. A hit that cannot be brought into L1 is given up (the request recomputes it)."""
+        locked. A hit that cannot be brought into L1 is given up (the request recomputes it). L3 pages
+        come only from ``prefetch`` (``prefetch_begin``), which this call consumes."""
         ps = self.page_size
         n = min(max_pages, len(tokens) // ps)
         self.stats["lookup_tokens"] += n * ps
         if n <= 0:
+            self._drop_prefetch(prefetch)
             return PrefixHit()
         keys = self.tree.page_keys(list(tokens[:n * ps]))
         res = self.tree.match_prefix(keys, now=now)
+        if res.full_l3 or res.swa_l3:
+            res = self._match_l12(keys, res, now)
         if res.num_pages == 0:
-            return self.l3.extend(PrefixHit(), keys, n, now) if self.l3 is not None else PrefixHit()
+            return self._count_hit(self._take_prefetch(prefetch, PrefixHit(), now))
         hit = PrefixHit(node=res.node, num_pages=res.num_pages)
         self._lock(hit)
         from_l2 = res.full_l2
-        if (from_l2 and (self.host is None or from_l2 < self.cfg.load_back_threshold_pages)) or res.full_l3 \
-                or res.swa_l3:
-            # L3 hits are fetched by the L3 prefetcher (not here); short L2 runs are cheaper to recompute.
-            return self._give_up(hit)
+        if from_l2 and (self.host is None or from_l2 < self.cfg.load_back_threshold_pages):
+            self._drop_prefetch(prefetch)
+            return self._give_up(hit)   # short L2 runs are cheaper to recompute
         if not self._load_back(res.nodes, hit):
+            self._drop_prefetch(prefetch)
             return self._give_up(hit)
         hit.waits += [f for f in (self._loading.get(nd.id) for nd in res.nodes) if f is not None and not f.done]
         for nd in res.nodes:
@@ -115,15 +122,62 @@ class HiCache:
                 swa = nd.l1[SWA]
                 hit.swa_pages.append(swa[i] if self.has_swa and swa is not None and page >= lo else None)
         hit.tokens_by_tier = {"L1": res.full_l1 * ps, "L2": from_l2 * ps, "L3": 0}
-        if self.l3 is not None:
-            hit = self.l3.extend(hit, keys, n, now)
-        for t, v in hit.tokens_by_tier.items():
-            self.stats["hit_tokens"][t] += v
+        hit = self._take_prefetch(prefetch, hit, now)
+        self._count_hit(hit)
         if self.cfg is not None and self.cfg.write_policy == "write_through_selective":
             for nd in res.nodes:
                 if nd.hit_count >= self.cfg.write_through_threshold:
                     self._backup(nd, now)
         return hit
+
+    def _match_l12(self, keys: list[bytes], res, now: float):
+        """Cut a match short of its first page that only L3 holds (full, or SWA inside the last window):
+        those come from the L3 prefetcher, not from the tree."""
+        wp = self.tree.window_pages
+        while res.num_pages and (res.full_l3 or res.swa_l3):
+            m = res.num_pages
+            bad = [nd.depth for nd in res.nodes if nd.best_tier(FULL) == L3
+                   or (wp and nd.end > m - wp and nd.best_tier(SWA) == L3)]
+            res = self.tree.match_prefix(keys[:min(bad)], now=now) if min(bad) else type(res)(node=self.tree.root)
+        return res
+
+    def _count_hit(self, hit: PrefixHit) -> PrefixHit:
+        for t, v in hit.tokens_by_tier.items():
+            self.stats["hit_tokens"][t] += v
+        return hit
+
+    # ---- L3 prefetch ---------------------------------------------------------------------------------
+    def prefetch_begin(self, tokens: Sequence[int], max_pages: int, now: float):
+        """Start fetching into L2 the part of ``tokens``' prefix that only L3 holds; a handle for
+        ``prefetch_ready`` / ``match``, or None when there is nothing to fetch (or no L3)."""
+        n = min(max_pages, len(tokens) // self.page_size)
+        if self.l3 is None or n <= 0:
+            return None
+        return self.l3.prefetcher.begin(self.tree.page_keys(list(tokens[:n * self.page_size])), now)
+
+    def prefetch_ready(self, prefetch, now: float) -> bool:
+        """Whether the prefetch policy lets the request that owns ``prefetch`` start at ``now`` (seconds)."""
+        return self.l3.prefetcher.ready(prefetch, now)
+
+    def prefetch_release(self, prefetch) -> None:
+        self._drop_prefetch(prefetch)
+
+    def prefetching(self) -> bool:
+        return self.l3 is not None and self.l3.prefetcher.pending()
+
+    def wait_prefetch(self, timeout: float) -> None:
+        """Block until a background L3 read finishes or ``timeout`` seconds pass (an idle step)."""
+        if self.l3 is not None:
+            self.l3.prefetcher.wait(timeout)
+
+    def _take_prefetch(self, prefetch, hit: PrefixHit, now: float) -> PrefixHit:
+        if prefetch is None or self.l3 is None:
+            return hit
+        return self.l3.prefetcher.take(prefetch, hit, now)
+
+    def _drop_prefetch(self, prefetch) -> None:
+        if prefetch is not None and self.l3 is not None:
+            self.l3.prefetcher.release(prefetch)
 
     def _lock(self, hit: PrefixHit) -> None:
         self.tree.lock(hit.node, FULL)
@@ -279,9 +333,11 @@ class HiCache:
         return True
 
     def poll(self, block: bool = False) -> None:
-        """Apply finished background copies (call between steps); ``block`` waits for all of them."""
+        """Apply finished background copies and L3 reads (call between steps); ``block`` waits for all."""
         if self.copier is not None:
             self.copier.poll(block)
+        if self.l3 is not None:
+            self.l3.prefetcher.jobs.poll(block)
 
     def _host_room(self, c: str, n: int) -> bool:
         host = self.host.pool(c)
@@ -356,8 +412,7 @@ class HiCache:
     # ---- maintenance -----------------------------------------------------------------------------------
     def flush(self) -> None:
         """Drop every cached page of every tier (no request may hold a hit)."""
-        if self.copier is not None:
-            self.copier.poll(block=True)
+        self.poll(block=True)
         self._free(self.tree.flush())
 
     def close(self) -> None:
@@ -380,6 +435,8 @@ class HiCache:
                 owners = {"tree": self.tree.all_pages(c, L2), "backups in flight": pending}
                 if c == SWA:
                     owners["oblivious reservations"] = list(self._oblivious.values())
+                if self.l3 is not None:
+                    owners["L3 prefetches"] = self.l3.prefetcher.owned(c)
                 self.host.pool(c).allocator.check_integrity(owners)
             live_full = set(self.tree.all_pages(FULL, L2)) | {
                 p for (_, pc), pages in self._backing_up.items() if pc == FULL for p in pages}
@@ -392,4 +449,7 @@ class HiCache:
         if self.host is not None:
             out["L2"] = {c: self.host.pool(c).allocator.num_used for c in COMPONENTS}
             out["L2_bytes"] = self.host.bytes_used()
+        if self.l3 is not None:
+            out["L3"] = {**self.l3.store.stats(), **self.l3.stats,
+                         **{f"prefetch_{k}": v for k, v in self.l3.prefetcher.stats.items()}}
         return out

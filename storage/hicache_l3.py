@@ -1,8 +1,9 @@
-"""The L3 side of the tier controller: write-through of L2 pages to the shared store, and extending a
-prefix match with pages other workers (or an earlier life of this one) left in L3.
+"""The L3 side of the tier controller: write-through of L2 pages to the shared store, and installing the
+pages other workers (or an earlier life of this one) left in L3 once the prefetcher
+(storage/hicache_prefetch.py) has read them into L2.
 
 Pages are keyed ``l3_key(model_id, component, page_key)``; the SWA component stores only each sequence's
-last window, like L2. Reads are verified by the store (a failed read is a miss: the match just stops
+last window, like L2. Reads are verified by the store (a failed read is a miss: the prefix just stops
 short, never wrong tokens).
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Optional
 
 import kernels
 from storage.copier import Job, LayerFuture
+from storage.hicache_prefetch import Prefetcher
 from storage.l3 import l3_key, make_store
 from storage.pools import FULL, SWA
 from storage.radix_node import L1, Node
@@ -25,6 +27,7 @@ class L3Tier:
         self.store = make_store(cache.cfg.l3)
         self.model_id = model_id
         self.stats = {"written_pages": 0, "write_failures": 0, "hit_pages": 0, "read_failures": 0}
+        self.prefetcher = Prefetcher(self)
 
     def keys(self, page_keys, component: str) -> list[str]:
         return [l3_key(self.model_id, component, k) for k in page_keys]
@@ -59,33 +62,36 @@ class L3Tier:
 
         self.cache.copier.submit(Job(run, LayerFuture({}), done, tag=f"l3 write {c}"))
 
-    # ---- L3 -> L1 (through L2) ----------------------------------------------------------------------
-    def extend(self, hit: "PrefixHit", page_keys: list[bytes], max_pages: int, now: float) -> "PrefixHit":
-        """Grow ``hit`` with the pages after it that L3 holds (and whose SWA window L3 holds too)."""
+    # ---- L3 -> L2 -> L1 ----------------------------------------------------------------------------
+    def l12_depth(self, page_keys: list[bytes]) -> int:
+        """Pages of ``page_keys`` whose full data the tree holds in L1 or L2 (read-only walk: no touch,
+        no split): where an L3 prefetch starts."""
+        tree = self.cache.tree
+        cur, i = tree.root, 0
+        while i < len(page_keys):
+            child = cur.children.get(page_keys[i])
+            if child is None or (child.l1[FULL] is None and child.l2[FULL] is None):
+                break
+            k = 0
+            while k < child.num_pages and i + k < len(page_keys) and child.keys[k] == page_keys[i + k]:
+                k += 1
+            i += k
+            if k < child.num_pages:
+                break
+            cur = child
+        return i
+
+    def install(self, hit: "PrefixHit", page_keys: list[bytes], m0: int, m: int, swa_lo: int,
+                h_full: list[int], h_swa: list[int], now: float) -> "PrefixHit":
+        """Extend ``hit`` (``m0`` pages, locked) to ``m`` pages with prefetched host pages: ``h_full`` hold
+        the full pages [m0, m), ``h_swa`` the SWA pages [swa_lo, m) (the last window; empty on a model
+        without SWA). They become the tree's L2 copies (L3 flag set) and are loaded into fresh L1 pages.
+        The host pages belong to this call: used or freed. Returns the new hit, or ``hit`` unchanged
+        when L1 has no room."""
         cache, tree = self.cache, self.cache.tree
-        m0 = hit.num_pages
-        if m0 >= max_pages:
-            return hit
-        n3 = self.store.batch_exists(self.keys(page_keys[m0:max_pages], FULL))
-        if n3 <= 0:
-            return hit
-        m = m0 + n3
-        wp = tree.window_pages if cache.has_swa else 0
-        swa_lo = max(0, m - wp)
-        if wp and self.store.batch_exists(self.keys(page_keys[swa_lo:m], SWA)) < m - swa_lo:
-            return hit  # without the window the extension is unusable
-        full_host = cache.host.pool(FULL)
-        swa_host = cache.host.pool(SWA)
-        n_swa = m - swa_lo if wp else 0
-        if not (cache._host_room(FULL, m - m0) and (not n_swa or cache._host_room(SWA, n_swa))):
-            return hit
-        h_full = full_host.allocator.alloc(m - m0)
-        h_swa = swa_host.allocator.alloc(n_swa) if n_swa else []
-        ok = self._read(full_host, self.keys(page_keys[m0:m], FULL), h_full)
-        ok = ok and (not n_swa or self._read(swa_host, self.keys(page_keys[swa_lo:m], SWA), h_swa))
-        l1_ok = ok and cache._l1_room(FULL, m - m0) and (not n_swa or cache._l1_room(SWA, n_swa))
-        if not l1_ok:
-            self.stats["read_failures"] += int(not ok)
+        full_host, swa_host = cache.host.pool(FULL), cache.host.pool(SWA)
+        n_swa = len(h_swa)
+        if not (cache._l1_room(FULL, m - m0) and (not n_swa or cache._l1_room(SWA, n_swa))):
             full_host.allocator.free(h_full)
             swa_host.allocator.free(h_swa)
             return hit
@@ -98,28 +104,35 @@ class L3Tier:
         # does not hold in L1 below m0 are simply not offered.
         swa_all: list[Optional[int]] = list(hit.swa_pages) + [None] * (m - m0)
         for i in range(swa_lo, m):
-            if i >= m0:
-                swa_all[i] = l1_swa[i - swa_lo]
-            elif swa_all[i] is None:
-                swa_all[i] = l1_swa[i - swa_lo]  # the tree lacked it in L1: adopt the L3 copy
+            if i >= m0 or swa_all[i] is None:
+                swa_all[i] = l1_swa[i - swa_lo]   # below m0: the tree lacked it in L1, adopt the L3 copy
         used_swa = {swa_all[i] for i in range(swa_lo, m)}
         spare_swa = [p for p in l1_swa if p not in used_swa]
         res = tree.insert(page_keys[:m], hit.full_pages + l1_full, swa_all, now=now)
         cache._free_l1(res.free_full, res.free_swa + spare_swa)
-        # Record the L2 copies (the host pages just read) and the L3 flag on the new nodes.
-        x = res.node
+        # Record the L2 copies (the host pages just read) and the L3 flag on the nodes past m0; a node
+        # that meanwhile got its own L2 copy keeps it and the prefetched page goes back.
+        x, spare_full = res.node, []
         while x is not None and x.parent is not None and x.depth >= m0:
-            tree.set_l2(x, FULL, h_full[x.depth - m0:x.end - m0])
-            cache._free(tree.set_l3(x, FULL, True))
+            part = h_full[x.depth - m0:x.end - m0]
+            if x.l2[FULL] is None:
+                tree.set_l2(x, FULL, part)
+            else:
+                spare_full += part
+            if not x.l3[FULL]:
+                cache._free(tree.set_l3(x, FULL, True))
             x = x.parent
-        x = res.node
+        full_host.allocator.free(spare_full)
+        x, used_h = res.node, set()
         while n_swa and x is not None and x.parent is not None and x.end > swa_lo:
             if x.depth >= swa_lo and x.l2[SWA] is None and x.l1[SWA] is not None:
-                tree.set_l2(x, SWA, h_swa[x.depth - swa_lo:x.end - swa_lo])
-                h_swa = h_swa[:x.depth - swa_lo] + [None] * (x.end - x.depth) + h_swa[x.end - swa_lo:]
-                cache._free(tree.set_l3(x, SWA, True))
+                part = h_swa[x.depth - swa_lo:x.end - swa_lo]
+                tree.set_l2(x, SWA, part)
+                used_h.update(part)
+                if not x.l3[SWA]:
+                    cache._free(tree.set_l3(x, SWA, True))
             x = x.parent
-        swa_host.allocator.free([p for p in h_swa if p is not None])
+        swa_host.allocator.free([p for p in h_swa if p not in used_h])
         self.stats["hit_pages"] += m - m0
         cache.release(hit)
         new = type(hit)(node=res.node, num_pages=m)
@@ -136,17 +149,21 @@ class L3Tier:
         new.tokens_by_tier = {**hit.tokens_by_tier, "L3": (m - m0) * ps}
         return new
 
-    def _read(self, host, keys: list[str], pages: list[int]) -> bool:
-        """batch_get into host pages; every page or nothing (a partial read is a miss)."""
+    def read_pages(self, host, keys: list[str], pages: list[int]) -> int:
+        """batch_get into host pages (any thread); returns how many leading pages arrived intact."""
         direct = host.layout != kernels.LAYER_FIRST
         bufs = [host.page(p) for p in pages]   # views for page-major layouts, copies for layer_first
         ok = self.store.batch_get(keys, bufs)
-        if not all(ok):
-            return False
+        n = 0
+        while n < len(ok) and ok[n]:
+            n += 1
+        if n < len(ok):
+            self.stats["read_failures"] += 1
         if not direct:
-            for p, b in zip(pages, bufs):
+            for p, b in zip(pages[:n], bufs[:n]):
                 host.set_page(p, b)
-        return True
+        return n
 
     def close(self) -> None:
+        self.prefetcher.close()
         self.store.close()

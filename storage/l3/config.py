@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 BACKENDS = ("file", "mooncake", "nixl")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 NIXL_MODES = ("posix", "ucx")
 
@@ -72,6 +73,7 @@ class MooncakeConfig:
     segment_bytes: int = 0
     local_buffer_bytes: int = 16 * MiB
     replicas: int = 1
+    preferred_segment: str = ""     # place new objects in this client's segment (the storage actor's), "" any
     op_timeout_s: float = 5.0       # a batch call that takes longer is a miss / a failed set
     retry_after_s: float = 2.0      # after a timeout or an RPC failure, skip calls for this long
     setup_timeout_s: float = 30.0
@@ -86,6 +88,7 @@ class MooncakeConfig:
         _int(self, "segment_bytes", 0)
         _int(self, "local_buffer_bytes", 1 * MiB)
         _int(self, "replicas", 1)
+        _str(self, "preferred_segment", allow_empty=True)
         for name in ("op_timeout_s", "retry_after_s", "setup_timeout_s"):
             _pos(self, name)
 
@@ -135,6 +138,14 @@ class L3Config:
     io_threads: int = 0               # parallel file reads/writes of a batch; 0 -> min(4, CPUs)
     fsync: bool = False               # a cache: a page lost to a crash is a miss, the checksum catches torn ones
     rescan_interval_s: float = 10.0   # how stale a file store's view of other processes' writes may get
+    evict: bool = True                # False: another process (the StorageActor) evicts; a set past the cap fails
+    # When a request whose prefix continues in L3 may start (storage/hicache_prefetch.py): best_effort at
+    # the next schedule with what has arrived, wait_complete once everything has, timeout when everything
+    # has or ``prefetch_timeout_base + prefetch_timeout_per_ki_token * tokens / 1024`` seconds have passed.
+    prefetch_policy: str = "timeout"
+    prefetch_timeout_base: float = 1.0
+    prefetch_timeout_per_ki_token: float = 0.25
+    prefetch_batch_pages: int = 16    # pages per batch_get: what has arrived grows by this much at a time
     mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
     nixl: NixlConfig = field(default_factory=NixlConfig)
 
@@ -148,8 +159,21 @@ class L3Config:
         if not isinstance(self.fsync, bool):
             raise ValueError(f"L3Config.fsync must be a bool, got {self.fsync!r}")
         _pos(self, "rescan_interval_s")
+        if not isinstance(self.evict, bool):
+            raise ValueError(f"L3Config.evict must be a bool, got {self.evict!r}")
+        if self.prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(f"L3Config.prefetch_policy must be one of {PREFETCH_POLICIES}, got {self.prefetch_policy!r}")
+        _pos(self, "prefetch_timeout_base")
+        v = self.prefetch_timeout_per_ki_token
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise ValueError(f"L3Config.prefetch_timeout_per_ki_token must be a number >= 0, got {v!r}")
+        _int(self, "prefetch_batch_pages", 1)
         _section(self, "mooncake", MooncakeConfig)
         _section(self, "nixl", NixlConfig)
+
+    def prefetch_deadline(self, started: float, tokens: int) -> float:
+        """When the ``timeout`` policy lets a request go, for a fetch of ``tokens`` tokens."""
+        return started + self.prefetch_timeout_base + self.prefetch_timeout_per_ki_token * tokens / 1024
 
     def resolved_path(self) -> str:
         if self.path:

@@ -122,9 +122,8 @@ class FileStore(L3Store):
 
     def _set(self, keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
         n, size = len(keys), HEADER_BYTES + pages[0].nbytes
-        if size > self.cfg.capacity_bytes:
+        if size > self.cfg.capacity_bytes or not self._make_room(size * len(set(keys))):
             return [False] * n
-        self._make_room(size * len(set(keys)))
         names = [key_digest(k).hex() for k in keys]
         headers = np.stack([np.frombuffer(encode_header(bytes.fromhex(nm), p), np.uint8)
                             for nm, p in zip(names, pages)])
@@ -226,18 +225,37 @@ class FileStore(L3Store):
                 os.makedirs(os.path.dirname(final), exist_ok=True)
         raise AssertionError("unreachable")
 
-    def _make_room(self, incoming: int) -> None:
+    def _make_room(self, incoming: int) -> bool:
+        """True when ``incoming`` more bytes fit under the cap (evicting if this store may)."""
         cap = self.cfg.capacity_bytes
         with self._lock:
             stale = time.monotonic() - self._scanned_at > self.cfg.rescan_interval_s
             if self._used + incoming <= cap and not stale:
-                return
+                return True
+        if not self.cfg.evict:   # the owner of the directory evicts; refusing keeps the cap
+            self._rescan()
+            with self._lock:
+                return self._used + incoming <= cap
         self._rescan(evict_for=incoming)
+        return True
 
-    def _rescan(self, evict_for: int | None = None) -> None:
-        """Rebuild the index from the directory (other processes' writes and hits) and, if the cap would
-        be exceeded by ``evict_for`` more bytes, evict least recently used files down to LOW_WATER."""
+    def refresh(self) -> None:
+        """Rebuild the index from the directory now (exact ``used_bytes``), evicting nothing."""
+        self._rescan()
+
+    def evict(self, high_water: float, low_water: float) -> list[str]:
+        """The evictor of a directory owner (actors/storage.py): rescan and, if more than ``high_water``
+        of the cap is used, evict least recently used pages down to ``low_water`` of it. Returns the
+        object names (``key_digest(key).hex()``) removed."""
         cap = self.cfg.capacity_bytes
+        return self._rescan(evict_for=max(0, int(cap * (1 - high_water))), target=int(cap * low_water))
+
+    def _rescan(self, evict_for: int | None = None, target: int | None = None) -> list[str]:
+        """Rebuild the index from the directory (other processes' writes and hits) and, if the cap would
+        be exceeded by ``evict_for`` more bytes, evict least recently used files down to ``target`` bytes
+        (default: LOW_WATER of the cap less ``evict_for``). Returns the names evicted."""
+        cap = self.cfg.capacity_bytes
+        gone: list[str] = []
         with self._evict_lock:
             fcntl.flock(self._lockfd, fcntl.LOCK_EX)
             try:
@@ -247,8 +265,8 @@ class FileStore(L3Store):
                     self._used = sum(size for _, _, size, _ in entries)
                     self._scanned_at = time.monotonic()
                 if evict_for is None or self._used + evict_for <= cap:
-                    return
-                target = max(0, int(cap * LOW_WATER) - evict_for)
+                    return gone
+                target = max(0, int(cap * LOW_WATER) - evict_for) if target is None else target
                 evicted = 0
                 for mtime, name, size, path in entries:
                     if self._used <= target:
@@ -257,6 +275,7 @@ class FileStore(L3Store):
                         if os.stat(path).st_mtime_ns == mtime:   # not read or rewritten since the scan
                             os.unlink(path)
                             evicted += 1
+                            gone.append(name)
                     except OSError:
                         pass
                     with self._lock:
@@ -264,6 +283,7 @@ class FileStore(L3Store):
                 self._count(evictions=evicted)
             finally:
                 fcntl.flock(self._lockfd, fcntl.LOCK_UN)
+        return gone
 
     def _scan(self) -> list[tuple[int, str, int, str]]:
         out, now = [], time.time()

@@ -67,6 +67,8 @@ class MooncakeStore(L3Store):
         self._client = MooncakeDistributedStore()
         self._rc = ReplicateConfig()
         self._rc.replica_num = mc.replicas
+        if mc.preferred_segment:   # a long-lived owner's memory: pages outlive the worker that wrote them
+            self._rc.preferred_segment = mc.preferred_segment
         self._down_until = 0.0
         self._abandoned: list = []
         self._reg_lock = threading.Lock()
@@ -230,6 +232,23 @@ class MooncakeStore(L3Store):
             self._regions.clear()
         self._client.close()
 
+    def present(self, keys: list[str]) -> list[bool] | None:
+        """Per key, whether the store holds it (an audit, unlike the prefix ``batch_exists``); None when
+        the master cannot answer."""
+        if not self._available():
+            return None
+        try:
+            res = self._call(lambda: self._client.batch_is_exist(keys), self.mc.op_timeout_s, ())
+        except _Unavailable:
+            return None
+        if len(res) != len(keys) or (res and all(r < 0 for r in res)):
+            return None
+        return [r == 1 for r in res]
+
+    def segment_name(self) -> str:
+        """The name other clients use to prefer this client's segment (``preferred_segment``)."""
+        return self._client.get_hostname()
+
     @property
     def raw(self):
         """The underlying MooncakeDistributedStore (tests use it to plant corrupt objects)."""
@@ -276,14 +295,16 @@ class MooncakeMaster:
         self.extra_args = tuple(extra_args)
         self.tied = tied           # die with the starting thread (see die_with_parent)
         self.proc: subprocess.Popen | None = None
+        self.metrics_port = 0
 
     @property
     def addr(self) -> str:
         return f"{self.host}:{self.port}"
 
     def start(self, timeout: float = 30.0) -> "MooncakeMaster":
+        self.metrics_port = free_port(self.host)
         args = [master_binary(), f"--rpc_port={self.port}", f"--rpc_address={self.host}",
-                f"--metrics_port={free_port(self.host)}", f"--metrics_host={self.host}",
+                f"--metrics_port={self.metrics_port}", f"--metrics_host={self.host}",
                 "--enable_metric_reporting=false", *self.extra_args]
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
@@ -303,6 +324,27 @@ class MooncakeMaster:
                 time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"mooncake_master did not listen on {self.addr} within {timeout}s")
+
+    def metrics(self, timeout: float = 2.0) -> dict[str, float]:
+        """The master's unlabelled Prometheus gauges and counters (``master_allocated_bytes``,
+        ``master_total_capacity_bytes``, ``master_key_count``, ``master_evicted_key_count``...); {} if it
+        does not answer."""
+        import urllib.request
+        try:
+            with urllib.request.urlopen(f"http://{self.host}:{self.metrics_port}/metrics", timeout=timeout) as r:
+                text = r.read().decode()
+        except OSError:
+            return {}
+        out = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if line.startswith("#") or "{" in name or not value:
+                continue
+            try:
+                out[name] = float(value)
+            except ValueError:
+                pass
+        return out
 
     def kill(self) -> None:
         """SIGKILL: what a crashed master looks like to its clients."""

@@ -69,6 +69,7 @@ def slab_server(tmp_path_factory):
 def store_config(backend: str, path, server=None, **kw) -> L3Config:
     """``server``: the mooncake master or the slab server the backend talks to."""
     kw.setdefault("capacity_bytes", CAPACITY)
+    kw.setdefault("prefetch_policy", "wait_complete")   # tests that count L3 hits must not race a clock
     if backend == "mooncake":
         kw["mooncake"] = dict(master_addr=server.addr, **MOONCAKE_TEST, **kw.pop("mooncake", {}))
     if backend == "nixl-ucx":

@@ -1,6 +1,6 @@
 """Engine A computes a prefix and writes it through L2 to L3; a fresh engine B that never saw it is
 served from L3 with the tokens of a recomputation -- on every backend that runs here (the real
-mooncake_master and NIXL agents, no mocks)."""
+mooncake_master and NIXL agents, no mocks). A page then damaged in the store is a miss: recomputed."""
 import pytest
 import torch
 
@@ -8,6 +8,7 @@ from engine import Engine, SamplingParams
 from storage.config import HiCacheConfig
 
 from .conftest import backend_server, store_config
+from .test_contract import corrupt
 
 SP = SamplingParams(max_new_tokens=8, ignore_eos=True)
 
@@ -32,7 +33,16 @@ def test_engine_b_is_served_engine_a_prefix_from_l3(backend, tmp_path, request):
     assert got.cached_tokens_by_tier["L3"] >= 16 * (len(prompt) // 16) - 16, got.cached_tokens_by_tier
     assert got.token_ids == want.token_ids
     b.check_integrity()
-    for e in (a, b):
+    b.cache.poll(block=True)
+    # A page damaged in the store (here: mid-prompt) is detected on read and the prefix recomputed.
+    keys = b.cache.tree.page_keys(prompt)
+    corrupt(b.cache.l3.store, b.cache.l3.keys([keys[10]], "full")[0], "flip")
+    c = engine()
+    again = c.generate([turn2], SP)[0]
+    assert again.token_ids == want.token_ids
+    assert again.cached_tokens_by_tier["L3"] == 0 and c.cache.l3.store.stats()["corrupt"] == 1
+    c.check_integrity()
+    for e in (a, b, c):
         e.flush_cache()
         assert e.pools.all_free() and e.cache.host.all_free()
         e.close()

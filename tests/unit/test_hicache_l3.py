@@ -15,7 +15,8 @@ SP = SamplingParams(max_new_tokens=8, ignore_eos=True)
 def _engine(path, layout="page_first_direct"):
     return Engine.from_pretrained("strata-tiny", page_size=16, num_pages=256, enable_prefix_cache=True,
                                   poison_kv=True, hicache=HiCacheConfig(host_pages=256, layout=layout,
-                                                                        l3=L3Config(backend="file", path=str(path))))
+                                                                        l3=L3Config(backend="file", path=str(path),
+                                                                                    prefetch_policy="wait_complete")))
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,260 @@
+"""L3 prefetch through the engine: a request whose prefix continues in L3 waits (others keep stepping)
+while its pages are read into L2 in the background, and starts when the prefetch policy says so --
+always with the greedy tokens of a recomputation, whatever prefix it ends up using."""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+
+import pytest
+import torch
+
+from engine import Engine, SamplingParams
+from engine.request import Status
+from storage.config import HiCacheConfig
+from storage.hicache_prefetch import prefetch_ready, usable_end
+from storage.l3 import L3Config, l3_key
+from storage.l3.base import key_digest
+from storage.l3.file import FileStore
+
+SP = SamplingParams(max_new_tokens=8, ignore_eos=True)
+PS = 16
+
+
+def _engine(path, **l3):
+    l3.setdefault("prefetch_policy", "wait_complete")
+    return Engine.from_pretrained("strata-tiny", page_size=PS, num_pages=256, enable_prefix_cache=True,
+                                  poison_kv=True,
+                                  hicache=HiCacheConfig(host_pages=256, l3=L3Config(backend="file", path=str(path),
+                                                                                    **l3)))
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return Engine.from_pretrained("strata-tiny", page_size=PS, num_pages=256)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory, ref):
+    """Engine A served an 8-window prompt and wrote it through L2 to L3; the second turn and its tokens."""
+    root = tmp_path_factory.mktemp("l3src")
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, 256, (8 * 64,), generator=g).tolist()
+    a = _engine(root)
+    first = a.generate([prompt], SP)[0]
+    a.cache.poll(block=True)
+    assert a.cache.l3.stats["written_pages"] > 0
+    a.close()
+    turn2 = prompt + first.token_ids + [11] * 24
+    return root, prompt, turn2, ref.generate([turn2], SP)[0].token_ids
+
+
+@pytest.fixture
+def l3dir(written, tmp_path):
+    """A private copy of the written store (engines under test write to it too)."""
+    dst = tmp_path / "l3"
+    shutil.copytree(written[0], dst)
+    return dst
+
+
+def _done(eng: Engine) -> None:
+    eng.check_integrity()
+    eng.flush_cache()
+    assert eng.pools.all_free() and eng.cache.host.all_free()
+    eng.check_integrity()
+    eng.close()
+
+
+class GatedFileStore(FileStore):
+    """The real file store, with every read held until the test opens the gate (a slow store)."""
+
+    def __init__(self, cfg, gate: threading.Event) -> None:
+        super().__init__(cfg)
+        self.gate = gate
+
+    def _get(self, keys, pages):
+        self.gate.wait(120)
+        return super()._get(keys, pages)
+
+
+def _gate(eng: Engine) -> threading.Event:
+    gate = threading.Event()
+    tier = eng.cache.l3
+    tier.store.close()
+    tier.store = GatedFileStore(tier.store.cfg, gate)
+    return gate
+
+
+# ---- the policy, pure -----------------------------------------------------------------------------------
+def test_policy_decisions():
+    for policy in ("best_effort", "wait_complete", "timeout"):
+        assert prefetch_ready(policy, True, 0, 0.0, 10.0)        # everything arrived: go
+    assert not prefetch_ready("best_effort", False, 0, 0.0, 10.0)  # the schedule that started it waits
+    assert prefetch_ready("best_effort", False, 1, 0.0, 10.0)      # the next one goes
+    assert not prefetch_ready("wait_complete", False, 99, 1e9, 10.0)
+    assert not prefetch_ready("timeout", False, 5, 9.9, 10.0)
+    assert prefetch_ready("timeout", False, 5, 10.0, 10.0)
+    with pytest.raises(ValueError, match="policy"):
+        prefetch_ready("eager", False, 0, 0.0, 0.0)
+
+
+def test_usable_prefix_needs_the_last_window():
+    assert usable_end(4, 10, 6, True, 3) == 10        # all arrived, window too
+    assert usable_end(4, 10, 5, True, 3) == 4         # a full page missing: its window was never fetched
+    assert usable_end(4, 10, 6, False, 3) == 4        # the window failed
+    assert usable_end(4, 10, 3, False, 0) == 7        # no SWA: the arrived prefix
+    assert usable_end(4, 4, 0, False, 3) == 4
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="prefetch_policy"):
+        L3Config(prefetch_policy="eager")
+    with pytest.raises(ValueError, match="prefetch_timeout_base"):
+        L3Config(prefetch_timeout_base=0)
+    with pytest.raises(ValueError, match="prefetch_timeout_per_ki_token"):
+        L3Config(prefetch_timeout_per_ki_token=-1)
+    cfg = L3Config(prefetch_timeout_base=2.0, prefetch_timeout_per_ki_token=0.5)
+    assert cfg.prefetch_deadline(100.0, 4096) == pytest.approx(104.0)
+
+
+# ---- through the engine ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["wait_complete", "timeout"])
+def test_whole_prefix_from_l3(policy, written, l3dir):
+    _, prompt, turn2, want = written
+    b = _engine(l3dir, prefetch_policy=policy, prefetch_timeout_base=600.0)
+    got = b.generate([turn2], SP)[0]
+    assert got.token_ids == want
+    assert got.cached_tokens_by_tier == {"L1": 0, "L2": 0, "L3": PS * (len(prompt) // PS)}
+    assert b.stats()["cache"]["usage"]["L3"]["prefetch_pages_taken"] == len(prompt) // PS
+    _done(b)
+
+
+def test_best_effort_takes_what_arrived(written, l3dir):
+    _, prompt, turn2, want = written
+    b = _engine(l3dir, prefetch_policy="best_effort")
+    got = b.generate([turn2], SP)[0]
+    assert got.token_ids == want
+    # Hybrid model: the prefix is usable only where its last window arrived, so all or nothing.
+    assert got.cached_tokens_by_tier["L3"] in (0, PS * (len(prompt) // PS))
+    _done(b)
+
+
+def test_waiting_request_does_not_block_others(written, l3dir, ref):
+    _, prompt, turn2, want = written
+    b = _engine(l3dir, prefetch_policy="wait_complete")
+    gate = _gate(b)
+    other = [(5 * i) % 256 for i in range(40)]
+    r = b.add_request(turn2, SP)
+    o = b.add_request(other, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    for _ in range(10_000):
+        if b.requests[o].status is Status.FINISHED:
+            break
+        b.step()
+    assert b.requests[o].status is Status.FINISHED      # it stepped while the L3 read was held
+    assert b.output(o).token_ids == ref.generate([other], SamplingParams(max_new_tokens=4, ignore_eos=True))[0].token_ids
+    assert b.requests[r].status is Status.WAITING and b.requests[r].num_computed == 0
+    b.check_integrity()
+    gate.set()
+    while b.requests[r].status is not Status.FINISHED:
+        b.step()
+    out = b.pop_finished(r)
+    assert out.token_ids == want
+    assert out.cached_tokens_by_tier["L3"] == PS * (len(prompt) // PS)
+    _done(b)
+
+
+def test_timeout_with_slow_store_uses_shorter_prefix(written, l3dir):
+    _, prompt, turn2, want = written
+    b = _engine(l3dir, prefetch_policy="timeout", prefetch_timeout_base=0.05, prefetch_timeout_per_ki_token=0.0)
+    gate = _gate(b)                                      # every L3 read is held past the deadline
+    local = b.generate([prompt[:160]], SP)[0]            # so B computes the first 10 pages itself (L1)
+    assert local.cached_tokens_by_tier["L3"] == 0
+    got = b.generate([turn2], SP)[0]
+    assert got.token_ids == want
+    assert got.cached_tokens_by_tier["L3"] == 0 and got.cached_tokens == PS * 10
+    assert got.cached_tokens < PS * (len(prompt) // PS)
+    gate.set()
+    _done(b)
+
+
+def test_corrupt_page_mid_prefix_ends_it(written, l3dir):
+    _, prompt, turn2, want = written
+    b = _engine(l3dir)
+    keys = b.cache.tree.page_keys(prompt)
+    name = key_digest(l3_key(b.model_id(), "full", keys[12])).hex()
+    path = os.path.join(l3dir, "v1", name[:2], name[2:])
+    with open(path, "r+b") as fh:
+        fh.seek(os.path.getsize(path) - 7)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0x40]))
+    got = b.generate([turn2], SP)[0]
+    assert got.token_ids == want
+    # Pages 0..11 arrived, but their last window was never fetched (only the prompt's is): nothing usable.
+    assert got.cached_tokens_by_tier["L3"] == 0
+    assert b.cache.l3.store.stats()["corrupt"] == 1
+    _done(b)
+
+
+def _dir_bytes(path) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs
+               if not f.startswith("."))
+
+
+def test_file_store_never_exceeds_its_cap(tmp_path, ref):
+    probe = _engine(tmp_path / "probe")
+    page = probe.cache.host.pool("full").page_bytes + 64
+    probe.close()
+    cap = 24 * page                                      # each prompt below writes ~20 pages
+    b = _engine(tmp_path / "l3", capacity_bytes=cap)
+    g = torch.Generator().manual_seed(3)
+    for i in range(6):
+        p = torch.randint(0, 256, (250,), generator=g).tolist()
+        assert b.generate([p], SP)[0].token_ids == ref.generate([p], SP)[0].token_ids
+        b.cache.poll(block=True)
+        assert 0 < _dir_bytes(tmp_path / "l3") <= cap
+    st = b.cache.l3.store.stats()
+    assert st["evictions"] > 0 and st["sets_ok"] * page > 3 * cap   # several times the cap went through
+    _done(b)
+
+
+def test_abort_while_prefetching_frees_everything(written, l3dir):
+    _, prompt, turn2, want = written
+    b = _engine(l3dir)
+    gate = _gate(b)
+    r = b.add_request(turn2, SP)
+    for _ in range(3):
+        b.step()
+    assert b.requests[r].status is Status.WAITING and b.cache.prefetching()
+    b.check_integrity()                                  # host pages of the read in flight are owned
+    assert b.abort(r)
+    b.pop_finished(r)
+    b.check_integrity()
+    gate.set()
+    b.cache.poll(block=True)
+    assert b.cache.host.all_free() and b.pools.all_free()
+    _done(b)
+
+
+def test_pages_only_l3_still_holds_come_back(tmp_path, ref):
+    """Small L1 and L2: an early conversation falls out of both (its nodes keep only the L3 flag); coming
+    back to it prefetches it from L3 into those nodes."""
+    b = Engine.from_pretrained("strata-tiny", page_size=PS, num_pages=48, enable_prefix_cache=True, poison_kv=True,
+                               hicache=HiCacheConfig(host_pages=64, l3=L3Config(backend="file", path=str(tmp_path),
+                                                                               prefetch_policy="wait_complete")))
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 256, (300,), generator=g).tolist() for _ in range(6)]
+    outs = [b.generate([p], SP)[0] for p in prompts]
+    for p, o in zip(prompts, outs):
+        b.cache.poll(block=True)
+        assert o.token_ids == ref.generate([p], SP)[0].token_ids
+    assert b.stats()["cache"]["evicted_pages"]["L2"] > 0
+    again = prompts[0] + outs[0].token_ids + [7] * 20
+    first = b.cache.tree.root.children[b.cache.tree.page_keys(prompts[0][:PS])[0]]
+    assert first.l1["full"] is None and first.l2["full"] is None and first.l3["full"]   # an L3-only node
+    got = b.generate([again], SP)[0]
+    assert got.token_ids == ref.generate([again], SP)[0].token_ids
+    assert got.cached_tokens_by_tier["L3"] > 0, got.cached_tokens_by_tier
+    b.check_integrity()
+    _done(b)
