@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast bench clean
+.PHONY: run test test-fast bench soak clean
 
 # Mooncake's binaries link against these; installed when missing and we may (root with apt).
 APT_PKGS := libibverbs1 ibverbs-providers libnl-3-200 libnl-route-3-200 libnuma1
@@ -31,6 +31,12 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.engine
+
+# The long soak (tests/reliability/soak.py) on its own local cluster: make soak DURATION=30m [SOAK_ARGS=--faults all]
+DURATION ?= 30m
+SOAK_ARGS ?=
+soak: $(STAMP)
+	$(BIN)/python -m tests.reliability.soak --duration $(DURATION) $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

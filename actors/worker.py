@@ -6,6 +6,7 @@ report after a (re)start says ``fresh`` so the router forgets what a previous in
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import ray
@@ -79,3 +80,20 @@ class WorkerActor:
 
     async def ping(self) -> str:
         return self.worker_id
+
+    async def check_integrity(self) -> bool:
+        """Check the engine's invariants (pools, radix tree, tiers) on the engine thread; raises
+        AssertionError naming the first broken one."""
+        await self.core.call(lambda e: e.check_integrity())
+        return True
+
+    async def process_info(self) -> dict:
+        """This worker process's id and memory (anonymous RSS: what a leak grows; shared object-store
+        pages are left out), for soak tests that compare it over time."""
+        info = {"worker_id": self.worker_id, "pid": os.getpid()}
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "RssAnon:")):
+                    key, kb = line.split()[:2]
+                    info["rss_anon_bytes" if key == "RssAnon:" else "rss_bytes"] = int(kb) * 1024
+        return info

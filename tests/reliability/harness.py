@@ -1,0 +1,48 @@
+"""Start and stop the real local cluster the reliability tests and the soak run against, and build the
+offline reference engine their outputs are compared with."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+
+from cluster import launch  # sets the Ray environment (loopback, no token auth) on import
+from cluster.config import ClusterConfig, load_config
+
+DEFAULT_CONFIG = "cluster/configs/pd-2p1d.yaml"   # 2 prefill + 1 decode: a prefill worker can die
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cluster_config(l3_dir: str, config: str = DEFAULT_CONFIG, port: int | None = None) -> ClusterConfig:
+    """``config`` with its L3 file store in ``l3_dir`` (the tests corrupt it) and a free HTTP port."""
+    cfg = load_config(config)
+    hc = cfg.engine.hicache
+    if hc is not None and hc.l3 is not None:
+        l3 = dataclasses.replace(hc.l3, path=l3_dir)
+        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, hicache=dataclasses.replace(hc, l3=l3)))
+    return dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, port=port or free_port()))
+
+
+def start(cfg: ClusterConfig) -> dict:
+    # The 2 shared cores are busy: the raylet's default 60 s to register is not always enough.
+    os.environ.setdefault("RAY_raylet_start_wait_time_s", "180")
+    launch.init_ray(cfg)
+    return launch.deploy(cfg)
+
+
+def stop(handles: dict | None) -> None:
+    import ray
+    launch.shutdown(handles)
+    ray.shutdown()
+
+
+def reference_engine(cfg: ClusterConfig, model_path: str):
+    """The same model and engine configuration, offline and without any cache: the oracle."""
+    from engine import Engine
+    ecfg = dataclasses.replace(cfg.engine, model=model_path, enable_prefix_cache=False, hicache=None)
+    return Engine(ecfg)
