@@ -101,7 +101,7 @@ def run_soak(handles: dict, reference, cfg: SoakConfig, l3_dir: str = "", load: 
                 ev["hot_flush_busy"] += r.status_code == 409
                 nxt["hot"] = now + cfg.hot_flush_every_s
             if eplb is not None and now >= nxt["rebalance"]:
-                ray.get(eplb.rebalance.remote(), timeout=120)
+                ray.get(eplb.trigger.remote(), timeout=120)
                 ev["rebalances"] += 1
                 nxt["rebalance"] = now + cfg.rebalance_every_s
             if pending and now >= next_fault:
