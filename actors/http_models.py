@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel
+from pydantic import BaseModel as _PydanticModel
+from pydantic import ConfigDict
+
+
+class BaseModel(_PydanticModel):
+    # FastAPI serializes a response through its model: fields not declared here (added to a response by
+    # another part of strata) must pass through, not silently disappear.
+    model_config = ConfigDict(extra="allow")
 
 
 class ErrorDetail(BaseModel):
