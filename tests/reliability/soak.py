@@ -150,7 +150,8 @@ def check_report(rep: dict, cfg: SoakConfig) -> list[str]:
     if rep["hung"]:
         bad.append(f"{len(rep['hung'])} requests hung")
     if rep["wrong"]:
-        bad.append(f"{len(rep['wrong'])} requests got wrong tokens: {rep['wrong'][:3]}")
+        brief = [{k: v for k, v in w.items() if k != "prompt"} for w in rep["wrong"][:3]]
+        bad.append(f"{len(rep['wrong'])} requests got wrong tokens: {brief}")
     if not cfg.faults and rep["errors"]:
         bad.append(f"requests failed without any fault: {rep['errors'][:5]}")
     over = {w: g for grow in (rep["rss_growth_mib"], rep["rss_growth_phase_mib"]) for w, g in grow.items()

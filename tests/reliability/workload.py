@@ -202,8 +202,25 @@ def verify(rec: Recorder, reference, limit: int | None = None, seed: int = 0) ->
         ok = got == want if o.kind == OK else got == want[:len(got)]
         if not ok:
             wrong.append({"kind": o.kind, "endpoint": o.endpoint, "stream": o.stream, "prompt_len": len(o.prompt),
-                          "got": got[:16], "want": want[:16]})
+                          "got": got[:16], "want": want[:16], "prompt": list(o.prompt), "max_new": o.max_new,
+                          **_margin(reference, o, got, want)})
     return {"checked": len(cands), "wrong": wrong}
+
+
+def _margin(reference, o: Outcome, got, want) -> dict:
+    """Where a wrong answer first diverges and the reference's top-1 minus top-2 logit there: a margin
+    near 0 points at a numerical near-tie (batch shape), a wide one at wrong KV."""
+    from engine import SamplingParams
+    if not isinstance(got, list):
+        return {}
+    i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    try:
+        out = reference.generate([o.prompt], SamplingParams(max_new_tokens=o.max_new, temperature=0.0,
+                                                            return_logits=True))[0]
+        top = out.logits[i].float().topk(2).values
+        return {"diverges_at": i, "ref_margin_at_divergence": round(float(top[0] - top[1]), 6)}
+    except Exception as e:  # diagnosis only: never hide the mismatch itself
+        return {"diverges_at": i, "margin_error": repr(e)[:100]}
 
 
 class Load:
