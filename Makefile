@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast bench bench-compare clean sysdeps
+.PHONY: run test test-fast bench bench-compare soak clean sysdeps
 
 # Mooncake's binaries link against these; installed when missing and we may (root with apt), checked on
 # every run/test (a dpkg query), not only when the venv is built.
@@ -39,6 +39,12 @@ bench: sysdeps $(STAMP)
 
 bench-compare: sysdeps $(STAMP)
 	$(BIN)/python -m bench.compare --quick
+
+# The long soak (tests/reliability/soak.py) on its own local cluster: make soak DURATION=30m [SOAK_ARGS=--faults all]
+DURATION ?= 30m
+SOAK_ARGS ?=
+soak: sysdeps $(STAMP)
+	$(BIN)/python -m tests.reliability.soak --duration $(DURATION) $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -6,13 +6,18 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Literal, Optional, Protocol, Union
+from typing import Annotated, Any, AsyncIterator, Literal, Optional, Protocol, Union
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from actors.http_body import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from actors.http_models import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk,
+                                CompletionResponse, FlushResult, GenerateChunk, GenerateResponse, Health,
+                                ModelList, errors, finish_openapi, sse_200)
 from actors.metrics import Metrics
 from engine.async_engine import StreamItem
 from engine.sampling import SamplingParams
@@ -44,8 +49,20 @@ class Backend(Protocol):
     async def gauges(self) -> dict: ...
 
 
+def _only(typ, value):
+    """A field strata accepts at its neutral value only. Not ``Literal``: it compares with ==, so it would
+    take 0 for False and False for 0."""
+    def check(v):
+        if v != value:
+            raise ValueError(f"only {value!r} is supported")
+        return v
+    return Annotated[typ, Field(json_schema_extra={"const": value}), AfterValidator(check)]
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a JSON value of the wrong type is refused ("5" for an int, true for a token id), never
+    # coerced into something the client did not send.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class SGLSampling(_Strict):
@@ -68,9 +85,9 @@ class GenerateRequest(_Strict):
     rid: Optional[str] = None
     # SGLang fields strata does not implement: only their neutral values are accepted.
     lora_path: Optional[None] = None
-    return_logprob: Literal[False] = False
-    logprob_start_len: Literal[-1] = -1
-    top_logprobs_num: Literal[0] = 0
+    return_logprob: _only(bool, False) = False
+    logprob_start_len: _only(int, -1) = -1
+    top_logprobs_num: _only(int, 0) = 0
     return_text_in_logprobs: bool = False
     stream_options: Optional[None] = None
     image_data: Optional[None] = None
@@ -94,7 +111,7 @@ class CompletionRequest(_OpenAIRequest):
     prompt: Union[str, list[int]]
     max_tokens: int = Field(16, ge=0, le=1 << 20)
     logprobs: Optional[None] = None
-    echo: Literal[False] = False
+    echo: _only(bool, False) = False
 
 
 class ChatMessage(_Strict):
@@ -139,8 +156,10 @@ def stable_delta(text: str, sent: str, finished: bool) -> tuple[str, str]:
     return text[len(sent):], text
 
 
-def build_app(backend: Backend, metrics: Metrics | None = None, max_inflight: int = 256) -> FastAPI:
+def build_app(backend: Backend, metrics: Metrics | None = None, max_inflight: int = 256,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="strata", version="0.1.0")
+    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
     metrics = metrics or Metrics()
     state = {"inflight": 0}
 
@@ -159,10 +178,28 @@ def build_app(backend: Backend, metrics: Metrics | None = None, max_inflight: in
         return JSONResponse({"error": {"message": "invalid request", "type": "invalid_request_error",
                                        "details": errs}}, status_code=422)
 
-    @app.exception_handler(HTTPException)
-    async def _http(_req: Request, exc: HTTPException):
+    # Starlette's own HTTPException too (a body that is not UTF-8 JSON, 404, 405): one error shape.
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_req: Request, exc: StarletteHTTPException):
         return JSONResponse({"error": {"message": str(exc.detail), "type": "invalid_request_error",
                                        "code": exc.status_code}}, status_code=exc.status_code)
+
+    def encode(text: str, field: str) -> list[int]:
+        try:
+            return backend.encode(text)
+        except (UnicodeError, TypeError, ValueError) as e:  # e.g. a lone surrogate ("\\ud800") in JSON
+            raise HTTPException(400, f"{field}: not encodable text ({type(e).__name__})") from None
+
+    def fit(ids: list[int], max_new: int | None, field: str, default: int) -> int:
+        """Tokens to generate: what was asked, if prompt and completion fit the context (else 400); a
+        default shrinks to what fits, since the client did not ask for it."""
+        room = backend.max_context - len(ids)
+        if max_new is None:
+            return max(0, min(default, room))
+        if max_new > room:
+            raise HTTPException(400, f"{field}: {len(ids)} prompt tokens + {max_new} new tokens exceed the "
+                                     f"context of {backend.max_context}")
+        return max_new
 
     def check_ids(ids: list[int]) -> list[int]:
         if not ids:
@@ -252,13 +289,16 @@ def build_app(backend: Backend, metrics: Metrics | None = None, max_inflight: in
                 "finish_reason": item.finish_reason, **({"route": item.route} if item.route else {})}
 
     # ---- SGLang /generate -------------------------------------------------------------------------
-    @app.post("/generate")
+    @app.post("/generate", response_model=GenerateResponse,
+              responses={**sse_200(GenerateChunk), **errors(400, 413, 422, 503)})
     async def generate(body: GenerateRequest):
         if (body.text is None) == (body.input_ids is None):
             raise HTTPException(400, "exactly one of text or input_ids is required")
-        ids = check_ids(backend.encode(body.text) if body.text is not None else list(body.input_ids))
+        ids = check_ids(encode(body.text, "text") if body.text is not None else list(body.input_ids))
         sp = body.sampling_params
-        params = _params(sp.max_new_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed, sp.stop_token_ids,
+        max_new = fit(ids, sp.max_new_tokens if "max_new_tokens" in sp.model_fields_set else None,
+                      "sampling_params.max_new_tokens", sp.max_new_tokens)
+        params = _params(max_new, sp.temperature, sp.top_p, sp.top_k, sp.seed, sp.stop_token_ids,
                          sp.ignore_eos)
         if not body.stream:
             toks, last = await collect(ids, params)
@@ -280,7 +320,7 @@ def build_app(backend: Backend, metrics: Metrics | None = None, max_inflight: in
                         break
                     item = await gen.__anext__()
             except Exception as e:  # a worker died mid-stream: tell the client, cleanly
-                yield f"data: {json.dumps({'error': {'message': f'request failed: {e}'}})}\n\n"
+                yield f"data: {json.dumps({'error': {'message': f'request failed: {e}', 'type': 'server_error'}})}\n\n"
             yield "data: [DONE]\n\n"
         return sse(events)
 
@@ -335,34 +375,38 @@ def build_app(backend: Backend, metrics: Metrics | None = None, max_inflight: in
             yield "data: [DONE]\n\n"
         return sse(events)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses={**sse_200(CompletionChunk), **errors(400, 413, 422, 503)})
     async def completions(body: CompletionRequest):
-        ids = check_ids(backend.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt))
-        params = _params(body.max_tokens, body.temperature, body.top_p, -1, body.seed, None, False)
+        ids = check_ids(encode(body.prompt, "prompt") if isinstance(body.prompt, str) else list(body.prompt))
+        max_new = fit(ids, body.max_tokens if "max_tokens" in body.model_fields_set else None, "max_tokens",
+                      body.max_tokens)
+        params = _params(max_new, body.temperature, body.top_p, -1, body.seed, None, False)
         usage_opt = bool((body.stream_options or {}).get("include_usage"))
         return await openai_response("text", ids, params, body.stream, usage_opt)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={**sse_200(ChatCompletionChunk), **errors(400, 413, 422, 503)})
     async def chat(body: ChatRequest):
         prompt = backend.chat_prompt([m.model_dump(exclude_none=True) for m in body.messages])
-        ids = check_ids(backend.encode(prompt))
-        max_new = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = _params(128 if max_new is None else max_new, body.temperature, body.top_p, -1, body.seed,
-                         None, False)
+        ids = check_ids(encode(prompt, "messages"))
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_new = fit(ids, getattr(body, field), field, 128)
+        params = _params(max_new, body.temperature, body.top_p, -1, body.seed, None, False)
         usage_opt = bool((body.stream_options or {}).get("include_usage"))
         return await openai_response("chat", ids, params, body.stream, usage_opt)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList)
     async def models():
         return {"object": "list", "data": [{"id": backend.model_name, "object": "model", "created": 0,
                                             "owned_by": "strata", "max_model_len": backend.max_context}]}
 
-    @app.get("/health")
+    @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health():
         h = await backend.health()
         return JSONResponse(h, status_code=200 if h.get("ok") else 503)
 
-    @app.post("/flush_cache")
+    @app.post("/flush_cache", response_model=FlushResult, responses={409: {"model": FlushResult}, **errors(413)})
     async def flush_cache():
         ok = await backend.flush_cache()
         return JSONResponse({"flushed": ok}, status_code=200 if ok else 409)
@@ -371,4 +415,5 @@ def build_app(backend: Backend, metrics: Metrics | None = None, max_inflight: in
     async def prom():
         return metrics.render(await backend.gauges())
 
+    finish_openapi(app, backend.vocab_size)
     return app

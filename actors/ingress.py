@@ -45,7 +45,7 @@ class RayBackend:
             if self.router_cfg is None:
                 self.router_cfg = await self.router.config.remote()
             keys = prompt_keys(ids, self.router_cfg)   # hashed here: ingress replicas scale, the router doesn't
-            choice = await self.router.route.remote(keys, len(ids), list(avoid))
+            choice = await self._route(keys, len(ids), avoid)
         except ray.exceptions.RayError as e:
             raise ServiceUnavailable(f"no route: {str(e).splitlines()[-1][:200]}") from None
         for w in {choice["prefill"], choice["decode"]} & set(avoid):
@@ -57,6 +57,18 @@ class RayBackend:
         except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
             raise WorkerFailed(str(e).splitlines()[0][:300],
                                tuple(w for w in (choice["prefill"], choice["decode"]) if w)) from None
+
+    async def _route(self, keys, n: int, avoid: tuple[str, ...], wait: float = 10.0) -> dict:
+        """Ask the router; a router that has just restarted knows no worker until their next reports
+        (every report interval), so "no worker" is retried for a few seconds rather than failing."""
+        deadline = asyncio.get_running_loop().time() + wait
+        while True:
+            try:
+                return await self.router.route.remote(keys, n, list(avoid))
+            except ray.exceptions.RayTaskError as e:
+                if "no prefill worker" not in str(e) or asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
 
     async def _wait_alive(self, worker: str, timeout: float = 60.0) -> None:
         deadline = asyncio.get_running_loop().time() + timeout

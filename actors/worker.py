@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import threading
 import time
 import uuid
@@ -187,3 +188,20 @@ class WorkerActor:
     async def apply_placement(self, phy2log) -> dict:
         """Swaps the expert weights to phy2log [L, P] between two steps: {"moved_slots", "seconds"}."""
         return await self.core.call(lambda e: e.apply_placement(phy2log))
+
+    async def check_integrity(self) -> bool:
+        """Check the engine's invariants (pools, radix tree, tiers) on the engine thread; raises
+        AssertionError naming the first broken one."""
+        await self.core.call(lambda e: e.check_integrity())
+        return True
+
+    async def process_info(self) -> dict:
+        """This worker process's id and memory (anonymous RSS: what a leak grows; shared object-store
+        pages are left out), for soak tests that compare it over time."""
+        info = {"worker_id": self.worker_id, "pid": os.getpid()}
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "RssAnon:")):
+                    key, kb = line.split()[:2]
+                    info["rss_anon_bytes" if key == "RssAnon:" else "rss_bytes"] = int(kb) * 1024
+        return info

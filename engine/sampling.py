@@ -51,7 +51,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        row = logits[i] / p.temperature
+        # In float64, shifted so the top logit is 0: a tiny temperature (1e-300 is a valid one, and 0 in
+        # float32) then gives -inf for the others instead of nan, which would fail every request's step.
+        row = (logits[i].double() - logits[i].max().double()) / p.temperature
         if p.top_k and p.top_k < row.shape[0]:
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))

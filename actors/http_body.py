@@ -1,0 +1,62 @@
+"""A bound on request body size for the HTTP API: a body over the limit gets 413 before any of it is
+parsed, whether the client declared its length or streams it chunked. Every request body of this API is
+a small JSON document (a prompt of at most the model's context), so the body is read whole here and
+replayed to the app: nothing downstream ever holds more than the limit."""
+from __future__ import annotations
+
+import json
+from typing import Any, Awaitable, Callable
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+
+
+class BodyLimit:
+    def __init__(self, app, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes!r}")
+        self.app, self.limit = app, max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._too_large(send, int(declared))
+            return
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return  # the client left before sending its body: nothing to answer
+            body = msg.get("body", b"")
+            size += len(body)
+            if size > self.limit:
+                await self._too_large(send, size)
+                return
+            chunks.append(body)
+            if not msg.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # after the body: only a disconnect can come
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send: Send, size: int) -> None:
+        body = json.dumps({"error": {"message": f"request body: {size} bytes exceed the limit of {self.limit}",
+                                     "type": "invalid_request_error", "code": 413}}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,332 @@
+"""The fault catalog: each fault is one small function registered with ``@fault``, that injects the
+fault into a running cluster and returns how to tell it has healed. ``run_under_load`` does the rest for
+every fault alike: the multi-turn load runs, the fault strikes, in-flight clients must get an answer or a
+clean error (never a hang), the service must come back within a generous bound, and afterwards no
+request gets a wrong token.
+
+A fault whose feature is not in this build names the module it needs (``needs``); its test skips with
+"needs <module>" until that lands, and runs as is once it has."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import httpx
+import ray
+
+from tests.reliability.workload import ERROR, HUNG, Load, LoadConfig, Recorder, verify
+
+
+@dataclass
+class Ctx:
+    handles: dict
+    url: str
+    reference: object          # an offline Engine on the same model (the oracle for tokens)
+    l3_dir: str = ""
+    load: Load | None = None   # the running load (set by run_under_load): a fault may pause it
+
+
+@dataclass
+class Healed:
+    """What an injected fault returns: ``check()`` is true once the hurt component is back."""
+    target: str
+    check: Callable[[], bool] = lambda: True
+    # The clean errors an in-flight client may see for this fault (besides a 503 or an SSE error event).
+    connection_errors_ok: bool = False
+    # A fault that, by design, costs nothing to clients (L3 corruption: a miss, recomputed).
+    no_errors: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class Fault:
+    name: str
+    inject: Callable[[Ctx], Healed]
+    expect: str
+    needs: str | None = None
+
+    def available(self) -> bool:
+        return self.needs is None or importlib.util.find_spec(self.needs) is not None
+
+
+FAULTS: dict[str, Fault] = {}
+
+
+def fault(name: str, expect: str, needs: str | None = None):
+    def deco(fn: Callable[[Ctx], Healed]) -> Callable[[Ctx], Healed]:
+        FAULTS[name] = Fault(name, fn, expect, needs)
+        return fn
+    return deco
+
+
+def _pid(handle) -> int:
+    return ray.get(handle.__ray_call__.remote(lambda self: os.getpid()), timeout=10)
+
+
+def _restarted(handle, old_pid: int) -> Callable[[], bool]:
+    """True once the actor answers from a new process (a ping right after ray.kill may still reach the
+    old one)."""
+    def check() -> bool:
+        try:
+            return _pid(handle) != old_pid
+        except Exception:
+            return False
+    return check
+
+
+def _kill_worker(ctx: Ctx, wid: str) -> Healed:
+    w = ctx.handles["workers"][wid]
+    old = _pid(w)
+    ray.kill(w, no_restart=False)
+    return Healed(wid, _restarted(w, old))
+
+
+@fault("kill_prefill", "in-flight requests on it get 503 / an SSE error (non-streamed ones are retried on "
+                       "the other prefill worker); the actor restarts and rejoins routing")
+def kill_prefill(ctx: Ctx) -> Healed:
+    return _kill_worker(ctx, "prefill-0")
+
+
+@fault("kill_decode", "in-flight streams get an SSE error event, non-streamed requests are retried once "
+                      "the decode worker is back; the actor restarts")
+def kill_decode(ctx: Ctx) -> Healed:
+    return _kill_worker(ctx, "decode-0")
+
+
+@fault("kill_router", "the router restarts; calls queued meanwhile are retried by Ray and a request that "
+                      "finds it knowing no worker yet waits for the workers' next reports (they re-report "
+                      "their caches as fresh); a route call lost with the old process gets 503")
+def kill_router(ctx: Ctx) -> Healed:
+    router = ctx.handles["router"]
+    old = _pid(router)
+    ray.kill(router, no_restart=False)
+    back = _restarted(router, old)
+
+    def check() -> bool:
+        if not back():
+            return False
+        st = ray.get(router.status.remote(), timeout=5)
+        return set(st["workers"]) >= set(ctx.handles["workers"])
+    return Healed("router", check)
+
+
+def ingress_replicas() -> list:
+    """The live Serve replica actors of the ingress deployment."""
+    out = []
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if "SERVE_REPLICA" in a["name"] and "ingress" in a["name"]:
+            out.append((a["name"], a["namespace"]))
+    return out
+
+
+@fault("kill_ingress", "the HTTP connections of in-flight requests close (or get 5xx from the proxy) at "
+                       "once; Serve starts a new replica and serves again")
+def kill_ingress(ctx: Ctx) -> Healed:
+    names = ingress_replicas()
+    assert names, "no ingress replica found"
+    name, ns = names[0]
+    replica = ray.get_actor(name, namespace=ns)
+    old = _pid(replica)
+    ray.kill(replica, no_restart=False)
+
+    def check() -> bool:  # a new replica, or the same one restarted in a new process
+        live = ingress_replicas()
+        if any(n != name for n, _ in live):
+            return True
+        return bool(live) and _restarted(replica, old)()
+    return Healed("ingress", check, connection_errors_ok=True)
+
+
+@fault("corrupt_l3", "every L3 page on disk has bytes flipped: reads fail their checksum, count as "
+                     "misses, and the prefix is recomputed; clients see nothing but identical tokens")
+def corrupt_l3(ctx: Ctx) -> Healed:
+    from engine import SamplingParams
+    # A long prompt whose pages are in L3 for sure (written through, then read back by its next turn).
+    hist = [(i * 17 + 5) % 256 for i in range(600)]
+    body = {"input_ids": hist, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    httpx.post(f"{ctx.url}/generate", json=body, timeout=120).raise_for_status()
+    deadline = time.monotonic() + 30
+    while _count_files(ctx.l3_dir) < len(hist) // 16 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    with ctx.load.paused():   # flush needs idle workers: afterwards only L3 holds the prefix
+        n = corrupt_files(ctx.l3_dir)
+        _flush(ctx.url)
+    turn2 = hist + [7] * 40
+    r = httpx.post(f"{ctx.url}/generate", json={**body, "input_ids": turn2}, timeout=120).json()
+    want = ctx.reference.generate([turn2], SamplingParams(max_new_tokens=4, temperature=0.0))[0].token_ids
+    assert r["output_ids"] == want, "wrong tokens after reading corrupt L3 pages"
+    l3_hit = r["meta_info"]["cached_tokens_by_tier"].get("L3", 0)
+    assert l3_hit == 0, f"a corrupt L3 page was used ({l3_hit} tokens)"
+    return Healed("l3", no_errors=True, extra={"corrupted_files": n, "l3_hit_tokens_after": l3_hit})
+
+
+def _count_files(root: str) -> int:
+    return sum(len(f) for _, _, f in os.walk(os.path.join(root, "v1")))
+
+
+def _flush(url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx.post(f"{url}/flush_cache", timeout=60).status_code != 200:
+        assert time.monotonic() < deadline, "flush_cache kept answering 409"
+        time.sleep(0.2)
+
+
+def corrupt_files(root: str) -> int:
+    """Flip bytes in every published page file under an L3 file-store directory (header and data)."""
+    n = 0
+    for d, _, files in os.walk(os.path.join(root, "v1")):
+        for f in files:
+            p = os.path.join(d, f)
+            try:
+                with open(p, "r+b") as fh:
+                    size = os.fstat(fh.fileno()).st_size
+                    for off in {size // 2, size - 1}:
+                        if off >= 0:
+                            fh.seek(off)
+                            b = fh.read(1)
+                            fh.seek(off)
+                            fh.write(bytes([b[0] ^ 0xFF]) if b else b"\x00")
+                n += 1
+            except OSError:  # evicted under us: fine
+                pass
+    return n
+
+
+# ---- faults of features still landing (written against the interface they are expected to have) ----
+
+@fault("kill_storage", "L3 turns into misses while the StorageActor restarts; serving continues with "
+                       "identical tokens; L3 hits resume", needs="actors.storage")
+def kill_storage(ctx: Ctx) -> Healed:
+    storage = _actor_or_skip("strata-storage")
+    old = _pid(storage)
+    ray.kill(storage, no_restart=False)
+    return Healed("storage", _restarted(storage, old))
+
+
+def _actor_or_skip(name: str):
+    """A named actor of a feature that is in the build but may be off in this cluster's YAML."""
+    try:
+        return ray.get_actor(name)
+    except ValueError:
+        import pytest
+        pytest.skip(f"the cluster runs no {name} actor (off in its configuration)")
+
+
+@fault("stop_mooncake_master", "L3 reads and writes fail and count as misses; the StorageActor restarts "
+                               "mooncake_master; L3 hits resume", needs="actors.storage")
+def stop_mooncake_master(ctx: Ctx) -> Healed:
+    import signal
+    storage = _actor_or_skip("strata-storage")
+    pid = (ray.get(storage.status.remote(), timeout=10).get("master") or {}).get("pid")
+    if pid is None:
+        import pytest
+        pytest.skip("needs a cluster whose L3 is mooncake (this one's has no mooncake_master)")
+    os.kill(pid, signal.SIGKILL)
+    return Healed("mooncake_master", lambda: (ray.get(storage.status.remote(), timeout=5).get("master") or {})
+                  .get("pid") not in (None, pid))
+
+
+@fault("slow_transfer", "prefill-0's prefill->decode sends stall past transfer_timeout: those requests fail "
+                        "cleanly (503 / SSE error), the decode side's leased pages are freed; prefill-1 keeps "
+                        "serving; the stall is lifted", needs="storage.transfer")
+def slow_transfer(ctx: Ctx) -> Healed:
+    import dataclasses
+    pre = ctx.handles["workers"]["prefill-0"]
+
+    def stall(seconds: float):
+        def set_delay(self):
+            self.tcfg = dataclasses.replace(self.tcfg, debug_send_delay=seconds or 0.0)
+            return self.tcfg.transfer_timeout
+        return ray.get(pre.__ray_call__.remote(set_delay), timeout=30)
+
+    timeout = stall(0.0)
+    stall(timeout + 2.0)
+    t0 = time.monotonic()
+
+    def check() -> bool:  # lifted once a stalled send must have hit its timeout
+        if time.monotonic() - t0 < timeout + 3.0:
+            return False
+        stall(0.0)
+        return True
+    return Healed("transfer", check, extra={"transfer_timeout_s": timeout})
+
+
+@fault("eplb_rebalance", "a rebalance under load swaps expert placement between steps: no request fails, "
+                         "no token changes", needs="actors.eplb")
+def eplb_rebalance(ctx: Ctx) -> Healed:
+    eplb = _actor_or_skip("strata-eplb")
+    ray.get(eplb.trigger.remote(), timeout=120)
+    return Healed("eplb", no_errors=True)
+
+
+# ---- the common harness ------------------------------------------------------------------------------
+
+def probe(url: str, reference, ids: list[int], n: int = 6, timeout: float = 60.0) -> bool:
+    """One fresh greedy request answered with the right tokens."""
+    from engine import SamplingParams
+    try:
+        r = httpx.post(f"{url}/generate", json={"input_ids": ids, "sampling_params": {
+            "max_new_tokens": n, "temperature": 0}}, timeout=timeout)
+    except httpx.HTTPError:
+        return False
+    if r.status_code != 200:
+        return False
+    want = reference.generate([ids], SamplingParams(max_new_tokens=n, temperature=0.0))[0].token_ids
+    assert r.json()["output_ids"] == want, "wrong tokens after a fault"
+    return True
+
+
+def run_under_load(ctx: Ctx, name: str, load: Load | None = None, warmup_s: float = 6.0,
+                   after_s: float = 4.0, recovery_bound_s: float = 120.0) -> dict:
+    """Inject fault ``name`` while ``load`` runs (a running ``Load``; else one is started for the call)
+    and return the measurements; raises AssertionError when an expected outcome does not hold. The
+    requests judged are those in flight at the injection or started after it."""
+    if load is None:
+        with Load(ctx.url, LoadConfig(clients=3, abort_prob=0.1), seed=sum(map(ord, name))) as ld:
+            time.sleep(warmup_s)
+            return run_under_load(ctx, name, ld, after_s=after_s, recovery_bound_s=recovery_bound_s)
+    f = FAULTS[name]
+    ctx.load = load
+    t0 = time.monotonic()
+    healed = f.inject(ctx)
+    # Recovered: the component is back and a fresh request gets the right answer.
+    ids = [(t * 31 + len(name)) % 256 for t in range(40)]
+    served_at = back_at = None
+    while time.monotonic() - t0 < recovery_bound_s:
+        now = time.monotonic()
+        if back_at is None and healed.check():
+            back_at = time.monotonic()  # a check may block until the component answers
+        if served_at is None and probe(ctx.url, ctx.reference, ids):
+            served_at = time.monotonic()
+        if served_at is not None and back_at is not None:
+            break
+        time.sleep(0.25)
+    assert served_at is not None, f"{name}: no request served within {recovery_bound_s:.0f}s"
+    assert back_at is not None, f"{name}: {healed.target} not back within {recovery_bound_s:.0f}s"
+    healed_at = max(served_at, back_at)
+    time.sleep(after_s)
+    t_end = time.monotonic()
+    outs = [o for o in list(load.rec.outcomes) if t0 <= o.ended <= t_end]
+    hung = [o for o in outs if o.kind == HUNG]
+    assert not hung, f"{name}: {len(hung)} requests hung: {[o.detail for o in hung[:3]]}"
+    errors = [o for o in outs if o.kind == ERROR]
+    for o in errors:
+        sse_error = o.status == 200 and not o.detail.startswith("connection")
+        clean = o.status == 503 or sse_error or \
+            (healed.connection_errors_ok and (o.detail.startswith("connection") or o.status >= 500))
+        assert clean, f"{name}: unclean failure status={o.status} {o.detail!r}"
+    if healed.no_errors:
+        assert not errors, f"{name}: {len(errors)} requests failed: {[o.detail for o in errors[:3]]}"
+    # Once healed (plus a grace for requests routed before), everything succeeds again.
+    late = [o for o in outs if o.started > healed_at + 2.0 and o.kind == ERROR]
+    assert not late, f"{name}: {len(late)} requests failed after recovery: {[o.detail for o in late[:3]]}"
+    sub = Recorder(outs)
+    v = verify(sub, ctx.reference)
+    assert not v["wrong"], f"{name}: wrong tokens: {v['wrong'][:3]}"
+    return {"fault": name, "requests": len(outs), "counts": sub.counts(),
+            "in_flight_errors": len(errors), "error_details": sorted({f"{o.status} {o.detail[:80]}" for o in errors}),
+            "service_gap_s": round(served_at - t0, 2), "component_back_s": round(back_at - t0, 2),
+            "checked_tokens": v["checked"], **healed.extra}

@@ -1,0 +1,60 @@
+"""Start and stop the real local cluster the reliability tests and the soak run against, and build the
+offline reference engine their outputs are compared with."""
+from __future__ import annotations
+
+import dataclasses
+import socket
+import time
+
+from cluster import launch  # sets the Ray environment (loopback, no token auth) on import
+from cluster.config import ClusterConfig, load_config
+
+DEFAULT_CONFIG = "cluster/configs/pd-2p1d.yaml"   # 2 prefill + 1 decode: a prefill worker can die
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cluster_config(l3_dir: str, config: str = DEFAULT_CONFIG, port: int | None = None) -> ClusterConfig:
+    """``config`` with its L3 file store in ``l3_dir`` (the tests corrupt it) and a free HTTP port."""
+    cfg = load_config(config)
+    hc = cfg.engine.hicache
+    if hc is not None and hc.l3 is not None:
+        l3 = dataclasses.replace(hc.l3, path=l3_dir)
+        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, hicache=dataclasses.replace(hc, l3=l3)))
+    return dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, port=port or free_port()))
+
+
+def start(cfg: ClusterConfig, attempts: int = 3) -> dict:
+    import ray
+    for i in range(attempts):
+        try:
+            launch.init_ray(cfg)
+            break
+        except Exception as e:
+            # Ray gives its raylet a fixed 30 s to register; on a box whose cores are shared by several
+            # test runs that is sometimes too short. A second start is the remedy.
+            if "timed out during startup" not in str(e) or i == attempts - 1:
+                raise
+            ray.shutdown()
+            time.sleep(5)
+    return launch.deploy(cfg, ready_timeout=300.0)
+
+
+def stop(handles: dict | None) -> None:
+    import ray
+    launch.shutdown(handles)
+    ray.shutdown()
+
+
+def reference_engine(cfg: ClusterConfig, model_path: str):
+    """The oracle: the same model and engine configuration, offline, in this process, with no L2, no L3
+    and no disaggregation. Its L1 prefix cache stays on: the soak's conversations share long prefixes,
+    and recomputing each from scratch would take minutes (tokens do not depend on caching: DESIGN's
+    invariant, proven against transformers by tests/unit)."""
+    from engine import Engine
+    ecfg = dataclasses.replace(cfg.engine, model=model_path, enable_prefix_cache=True, hicache=None)
+    return Engine(ecfg)
