@@ -52,8 +52,25 @@ def init_ray(cfg: ClusterConfig, address: str | None = None) -> None:
     if address:
         ray.init(address=address, namespace=cfg.ray.namespace, log_to_driver=False)
     else:
-        ray.init(num_cpus=cfg.ray.num_cpus, namespace=cfg.ray.namespace, include_dashboard=False,
-                 _node_ip_address="127.0.0.1", log_to_driver=False)
+        start_local_ray(num_cpus=cfg.ray.num_cpus, namespace=cfg.ray.namespace)
+
+
+def start_local_ray(attempts: int = 3, **kwargs) -> None:
+    """``ray.init`` of a new loopback-only local cluster (kwargs: num_cpus, namespace, resources...).
+
+    Ray gives a new raylet a fixed 30 s to register with its GCS; on a 2-core box whose cores are busy
+    (a test suite, other jobs) that is sometimes too short, and a second start is the remedy."""
+    kwargs = {"include_dashboard": False, "_node_ip_address": "127.0.0.1", "log_to_driver": False, **kwargs}
+    for i in range(attempts):
+        try:
+            ray.init(**kwargs)
+            return
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
+            ray.shutdown()
+            if "timed out during startup" not in str(e) or i == attempts - 1:
+                raise
+            print(f"strata: Ray did not start in time (attempt {i + 1}/{attempts}); retrying", file=sys.stderr)
+            time.sleep(5)
 
 
 def deploy(cfg: ClusterConfig, detached: bool = False, ready_timeout: float = 120.0) -> dict:

@@ -56,16 +56,8 @@ def test_rayservice_application_serves_health_and_models(tmp_path):
 
     # As cluster/launch.py init_ray starts a local cluster, plus the custom resources the prefill and
     # decode pods declare (workers.role_resources is on in the manifests).
-    for attempt in (1, 2):
-        try:
-            ray.init(num_cpus=8, namespace=cfg.ray.namespace, include_dashboard=False,
-                     _node_ip_address="127.0.0.1", log_to_driver=False,
-                     resources={"strata_prefill": 1, "strata_decode": 1})
-            break
-        except Exception as e:   # Ray waits a fixed 30 s for its raylet; a loaded shared box can miss it
-            ray.shutdown()
-            if attempt == 2 or "timed out during startup" not in str(e):
-                raise
+    launch.start_local_ray(num_cpus=8, namespace=cfg.ray.namespace,
+                           resources={"strata_prefill": 1, "strata_decode": 1})
     try:
         serve.start(http_options=serve_cfg["http_options"])
         _get_global_client().deploy_apps(ServeDeploySchema.model_validate(serve_cfg)

@@ -165,22 +165,15 @@ def test_killed_master_means_misses_until_the_service_restarts_it(mooncake_maste
 
 def test_storage_actor_shell_with_router(tmp_path):
     """The Ray shell: the evictor thread reports to the real router actor, which stops counting."""
-    import cluster.launch  # noqa: F401 - sets the Ray environment
     import ray
+
+    from cluster.launch import start_local_ray  # also sets the Ray environment
 
     from actors.router import PrefixRouterActor
     from actors.routing import RouterConfig
     from actors.storage import StorageActor
 
-    for attempt in range(2):   # on a saturated 2-core box the raylet can miss Ray's 30 s startup window
-        try:
-            ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-                     namespace=f"l3-{uuid.uuid4().hex[:6]}")
-            break
-        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
-            ray.shutdown()
-            if attempt or "timed out during startup" not in str(e):
-                raise
+    start_local_ray(num_cpus=2, namespace=f"l3-{uuid.uuid4().hex[:6]}")
     try:
         router = PrefixRouterActor.remote(RouterConfig(page_size=16))
         cap = 30 * PAGE

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import socket
-import time
 
 from cluster import launch  # sets the Ray environment (loopback, no token auth) on import
 from cluster.config import ClusterConfig, load_config
@@ -28,19 +27,8 @@ def cluster_config(l3_dir: str, config: str = DEFAULT_CONFIG, port: int | None =
     return dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, port=port or free_port()))
 
 
-def start(cfg: ClusterConfig, attempts: int = 3) -> dict:
-    import ray
-    for i in range(attempts):
-        try:
-            launch.init_ray(cfg)
-            break
-        except Exception as e:
-            # Ray gives its raylet a fixed 30 s to register; on a box whose cores are shared by several
-            # test runs that is sometimes too short. A second start is the remedy.
-            if "timed out during startup" not in str(e) or i == attempts - 1:
-                raise
-            ray.shutdown()
-            time.sleep(5)
+def start(cfg: ClusterConfig) -> dict:
+    launch.init_ray(cfg)   # retries a Ray start that misses its window on a busy box
     return launch.deploy(cfg, ready_timeout=300.0)
 
 
