@@ -158,7 +158,7 @@ def main() -> None:
     args = ap.parse_args()
     from cluster import launch  # noqa: F401 - Ray environment (loopback, no token auth)
     import ray
-    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    launch.start_local_ray(num_cpus=4)
     try:
         rows = run(args.backends, args.models, args.reps)
     finally:
