@@ -129,13 +129,15 @@ def _reader(path, ks, seconds, out) -> None:
 
 def test_processes_never_read_a_torn_page(tmp_path, keys):
     ks, fillers = keys(4), keys(6, component="filler")
-    ctx = mp.get_context("fork")
+    # spawn, not fork: a forked child shares the epoll instances of any UCX (NIXL) endpoint this test
+    # process holds from earlier tests, and its clean-up there aborted the parent.
+    ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_writer, args=(tmp_path, ks, fillers[3 * v:3 * v + 3], v, 1.5)) for v in (0, 1)]
-    procs.append(ctx.Process(target=_reader, args=(tmp_path, ks, 1.5, out)))
+    procs = [ctx.Process(target=_writer, args=(tmp_path, ks, fillers[3 * v:3 * v + 3], v, 3.0)) for v in (0, 1)]
+    procs.append(ctx.Process(target=_reader, args=(tmp_path, ks, 3.0, out)))
     for p in procs:
         p.start()
-    hits, torn, corrupt = out.get(timeout=30)
+    hits, torn, corrupt = out.get(timeout=120)
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
