@@ -4,7 +4,6 @@ improves, greedy outputs stay those of Engine.generate, and `strata rebalance` w
 from __future__ import annotations
 
 import dataclasses
-import socket
 import threading
 import time
 
@@ -16,15 +15,10 @@ from cluster import cli, launch  # launch sets the Ray environment (loopback, no
 from cluster.config import load_config
 from engine import Engine, EngineConfig, SamplingParams
 from engine.eplb import Placement, balancedness, identity_placement
+from tests.util import free_port
 
 CONFIG = "cluster/configs/eplb.yaml"
 N_NEW = 10
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +29,7 @@ def cluster(tmp_path_factory):
     l3 = dataclasses.replace(e.hicache.l3, path=str(tmp_path_factory.mktemp("l3")))
     eplb = dataclasses.replace(e.eplb, collect_seconds=0.3, interval_seconds=2.0, window=4, threshold=0.95)
     engine = dataclasses.replace(e, hicache=dataclasses.replace(e.hicache, l3=l3), eplb=eplb)
-    cfg = dataclasses.replace(cfg, engine=engine, server=dataclasses.replace(cfg.server, port=_free_port()))
+    cfg = dataclasses.replace(cfg, engine=engine, server=dataclasses.replace(cfg.server, port=free_port()))
     launch.init_ray(cfg)
     handles = launch.deploy(cfg)
     yield handles

@@ -3,7 +3,6 @@ then a request over HTTP. It lives apart from tests/e2e because `ray stop` ends 
 machine, so it must never overlap the e2e package's cluster."""
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,15 +13,10 @@ import httpx
 import pytest
 
 from cluster.launch import RAY_ENV
+from tests.util import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_ray_job_submit_serves_a_request(tmp_path):
@@ -31,7 +25,7 @@ def test_ray_job_submit_serves_a_request(tmp_path):
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, **RAY_ENV, "RAY_TMPDIR": ray_tmp}
     env.pop("RAY_ADDRESS", None)
-    gcs, dash, http = _free_port(), _free_port(), _free_port()
+    gcs, dash, http = free_port(), free_port(), free_port()
     cfg = tmp_path / "job.yaml"
     cfg.write_text((ROOT / "cluster/configs/default.yaml").read_text().replace("port: 8000", f"port: {http}"))
     subprocess.run([bin_dir / "ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",

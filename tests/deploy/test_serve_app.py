@@ -5,23 +5,16 @@ config file (the cpu-tiny ConfigMap's YAML with a temp L3 directory), the HTTP p
 127.0.0.1) and the Ray namespace."""
 from __future__ import annotations
 
-import socket
 import time
 
 import httpx
-import pytest
 import yaml
 
 from cluster import launch  # noqa: F401  (sets the Ray environment: loopback, no token auth)
 from cluster.config import load_config
 from tests.deploy.test_manifests import MANIFESTS
 from tests.deploy.kustomize_lite import render
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.util import free_port
 
 
 def _get(url: str, deadline: float) -> httpx.Response:
@@ -49,7 +42,7 @@ def test_rayservice_application_serves_health_and_models(tmp_path):
     config_file = tmp_path / "cluster.yaml"
     config_file.write_text(yaml.safe_dump(data))
     cfg = load_config(config_file)
-    port = _free_port()
+    port = free_port()
     serve_cfg = yaml.safe_load(objs[("RayService", "strata-serve")]["spec"]["serveConfigV2"])
     serve_cfg["http_options"] = {"host": "127.0.0.1", "port": port}
     serve_cfg["applications"][0]["args"]["config"] = str(config_file)

@@ -1,17 +1,11 @@
 """A real local Ray cluster with the 2 prefill + 1 decode configuration, served on a free port."""
 import dataclasses
-import socket
 
 import pytest
 
 from cluster import launch  # sets the Ray environment (loopback, no token auth) on import
 from cluster.config import load_config
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.util import free_port
 
 
 @pytest.fixture(scope="package")
@@ -20,7 +14,7 @@ def cluster(tmp_path_factory):
     cfg = load_config("cluster/configs/pd-2p1d.yaml")
     l3 = dataclasses.replace(cfg.engine.hicache.l3, path=str(tmp_path_factory.mktemp("l3")))
     engine = dataclasses.replace(cfg.engine, hicache=dataclasses.replace(cfg.engine.hicache, l3=l3))
-    cfg = dataclasses.replace(cfg, engine=engine, server=dataclasses.replace(cfg.server, port=_free_port()))
+    cfg = dataclasses.replace(cfg, engine=engine, server=dataclasses.replace(cfg.server, port=free_port()))
     launch.init_ray(cfg)
     handles = launch.deploy(cfg)
     yield handles

@@ -3,18 +3,12 @@ offline reference engine their outputs are compared with."""
 from __future__ import annotations
 
 import dataclasses
-import socket
 
 from cluster import launch  # sets the Ray environment (loopback, no token auth) on import
 from cluster.config import ClusterConfig, load_config
+from tests.util import free_port
 
 DEFAULT_CONFIG = "cluster/configs/pd-2p1d.yaml"   # 2 prefill + 1 decode: a prefill worker can die
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cluster_config(l3_dir: str, config: str = DEFAULT_CONFIG, port: int | None = None) -> ClusterConfig:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 import threading
 import time
 
@@ -17,14 +16,9 @@ import pytest
 from cluster import launch  # sets the Ray environment (loopback, no token auth) on import
 from cluster.config import load_config
 from engine import Engine, SamplingParams
+from tests.util import free_port
 
 ray = pytest.importorskip("ray")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +30,7 @@ def cluster(ray_session):
         pytest.skip(f"NIXL cannot load: {e}")
     cfg = load_config("cluster/configs/pd-1p1d-nixl.yaml")
     cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, poison_kv=True),
-                              server=dataclasses.replace(cfg.server, port=_free_port(), request_timeout=60.0))
+                              server=dataclasses.replace(cfg.server, port=free_port(), request_timeout=60.0))
     handles = launch.deploy(cfg)
     yield handles
     launch.shutdown(handles)
