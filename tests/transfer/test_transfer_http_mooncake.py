@@ -11,7 +11,8 @@ import pytest
 from cluster import launch
 from cluster.config import load_config
 from engine import Engine, SamplingParams
-from tests.transfer.test_transfer_http import _assert_all_free, _free_port, _post
+from tests.transfer.test_transfer_http import _assert_all_free, _post
+from tests.util import free_port
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -25,7 +26,7 @@ def cluster(ray_session):
         pytest.skip(f"mooncake transfer engine cannot load: {e!r}")
     cfg = load_config("cluster/configs/pd-1p1d-mooncake.yaml")
     cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, poison_kv=True),
-                              server=dataclasses.replace(cfg.server, port=_free_port(), request_timeout=60.0))
+                              server=dataclasses.replace(cfg.server, port=free_port(), request_timeout=60.0))
     handles = launch.deploy(cfg)
     yield handles
     launch.shutdown(handles)
