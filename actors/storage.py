@@ -74,8 +74,10 @@ class StorageService:
             # pages there: a Mooncake object lives in a client's segment, so pages written into a
             # worker's segment would vanish when that worker stops.
             from storage.l3.mooncake import MooncakeStore
+            # Its segment is the whole ``capacity_bytes`` whatever ``segment_bytes`` (a worker's own) says.
             self.client = MooncakeStore(dataclasses.replace(
-                l3, mooncake=dataclasses.replace(l3.mooncake, master_addr=self.master.addr, preferred_segment="")))
+                l3, mooncake=dataclasses.replace(l3.mooncake, master_addr=self.master.addr, preferred_segment="",
+                                                 segment_bytes=l3.capacity_bytes)))
         elif l3.backend == "file" or l3.nixl.mode == "posix":
             from storage.l3.file import FileStore
             # The evictor's own view of the directory (a plain file store: the bytes are the same).

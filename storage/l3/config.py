@@ -63,7 +63,8 @@ class MooncakeConfig:
     """A Mooncake store client. ``metadata_server`` is ``P2PHANDSHAKE`` (peers exchange transfer-engine
     metadata directly, no extra service) or the URL of an HTTP metadata server such as the one
     ``mooncake_master --enable_http_metadata_server`` embeds. ``segment_bytes`` is the memory this client
-    contributes to the cluster-wide pool (0: the L3 ``capacity_bytes``)."""
+    contributes to the cluster-wide pool (0: the L3 ``capacity_bytes``); in a cluster the storage actor's
+    client always contributes ``capacity_bytes`` and holds the pages, so a worker's own can stay small."""
 
     master_addr: str = "127.0.0.1:50051"
     metadata_server: str = "P2PHANDSHAKE"

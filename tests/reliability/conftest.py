@@ -1,8 +1,10 @@
-"""One real local Ray cluster (2 prefill + 1 decode workers, the file L3 store in a temp dir, HTTP on a
-free port) shared by every reliability test, and the offline reference engine.
+"""One real local Ray cluster (cluster/configs/reliability.yaml: 2 prefill + 1 decode workers, L3 in a
+real mooncake_master run by the storage actor, the strata-eplb rebalancer; HTTP on a free port) shared by
+every reliability test, and the offline reference engine.
 
-``STRATA_RELIABILITY_CONFIG=cluster/configs/X.yaml`` runs the suite on another cluster YAML (one with an
-EPLB section, or a mooncake L3, lets those faults run); it needs workers named prefill-0 and decode-0."""
+``STRATA_RELIABILITY_CONFIG=cluster/configs/X.yaml`` runs the suite on another cluster YAML (a file L3
+store goes to a temp dir the corrupt_l3 fault damages); it needs workers named prefill-0 and decode-0.
+Faults whose target the YAML lacks (no eplb section, no mooncake L3) skip."""
 import os
 
 import pytest

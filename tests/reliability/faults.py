@@ -39,6 +39,8 @@ class Healed:
     # A fault that, by design, costs nothing to clients (L3 corruption: a miss, recomputed).
     no_errors: bool = False
     extra: dict = field(default_factory=dict)
+    # Run once the component is back: asserts what must work again (e.g. L3 hits), returns figures.
+    after: Callable[[], dict] | None = None
 
 
 @dataclass
@@ -140,19 +142,22 @@ def kill_ingress(ctx: Ctx) -> Healed:
     return Healed("ingress", check, connection_errors_ok=True)
 
 
-@fault("corrupt_l3", "every L3 page on disk has bytes flipped: reads fail their checksum, count as "
-                     "misses, and the prefix is recomputed; clients see nothing but identical tokens")
+@fault("corrupt_l3", "every L3 page has bytes flipped (files on disk, or objects in mooncake's segment): "
+                     "reads fail their checksum, count as misses, and the prefix is recomputed; clients see "
+                     "nothing but identical tokens")
 def corrupt_l3(ctx: Ctx) -> Healed:
     from engine import SamplingParams
     # A long prompt whose pages are in L3 for sure (written through, then read back by its next turn).
     hist = [(i * 17 + 5) % 256 for i in range(600)]
     body = {"input_ids": hist, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
     httpx.post(f"{ctx.url}/generate", json=body, timeout=120).raise_for_status()
+    mooncake = _l3_backend(ctx) == "mooncake"
+    stored = (lambda: len(_router_l3_keys(ctx))) if mooncake else (lambda: _count_files(ctx.l3_dir))
     deadline = time.monotonic() + 30
-    while _count_files(ctx.l3_dir) < len(hist) // 16 and time.monotonic() < deadline:
+    while stored() < len(hist) // 16 and time.monotonic() < deadline:
         time.sleep(0.2)
     with ctx.load.paused():   # flush needs idle workers: afterwards only L3 holds the prefix
-        n = corrupt_files(ctx.l3_dir)
+        n = corrupt_mooncake(_router_l3_keys(ctx)) if mooncake else corrupt_files(ctx.l3_dir)
         _flush(ctx.url)
     turn2 = hist + [7] * 40
     r = httpx.post(f"{ctx.url}/generate", json={**body, "input_ids": turn2}, timeout=120).json()
@@ -160,7 +165,35 @@ def corrupt_l3(ctx: Ctx) -> Healed:
     assert r["output_ids"] == want, "wrong tokens after reading corrupt L3 pages"
     l3_hit = r["meta_info"]["cached_tokens_by_tier"].get("L3", 0)
     assert l3_hit == 0, f"a corrupt L3 page was used ({l3_hit} tokens)"
-    return Healed("l3", no_errors=True, extra={"corrupted_files": n, "l3_hit_tokens_after": l3_hit})
+    assert n >= len(hist) // 16, f"only {n} L3 pages were there to corrupt"
+    return Healed("l3", no_errors=True, extra={"corrupted_pages": n, "l3_hit_tokens_after": l3_hit})
+
+
+def _l3_backend(ctx: Ctx) -> str | None:
+    hc = ctx.handles["cfg"].engine.hicache
+    return hc.l3.backend if hc is not None and hc.l3 is not None else None
+
+
+def _router_l3_keys(ctx: Ctx) -> list[str]:
+    """The store keys of every L3 page the router counts (it learns them from the workers' events)."""
+    return [k for k, _ in ray.get(ctx.handles["router"].l3_entries.remote(), timeout=30)]
+
+
+def corrupt_mooncake(keys: list[str]) -> int:
+    """Flip a byte in the middle of each of these objects, inside the storage actor (its client's segment
+    holds them): the object is read, damaged, removed and put back under its key. Returns how many."""
+    def damage(actor, keys: list[str]) -> int:
+        raw, n = actor.service.client.raw, 0
+        for k in keys:
+            blob = raw.get(k)
+            if not blob:
+                continue   # evicted meanwhile
+            blob = bytearray(blob)
+            blob[len(blob) // 2] ^= 0x40
+            if raw.remove(k, True) == 0 and raw.put(k, bytes(blob)) == 0:
+                n += 1
+        return n
+    return ray.get(ray.get_actor("strata-storage").__ray_call__.remote(damage, keys), timeout=120)
 
 
 def _count_files(root: str) -> int:
@@ -203,7 +236,33 @@ def kill_storage(ctx: Ctx) -> Healed:
     storage = _actor_or_skip("strata-storage")
     old = _pid(storage)
     ray.kill(storage, no_restart=False)
-    return Healed("storage", _restarted(storage, old))
+    return Healed("storage", _restarted(storage, old), after=lambda: l3_serves(ctx, "kill_storage"))
+
+
+def l3_serves(ctx: Ctx, tag: str, timeout: float = 60.0) -> dict:
+    """L3 works again: a fresh prompt's pages reach L3 (written through), and once L1 and L2 are flushed
+    its next turn is served partly from L3 with the right tokens. Returns the L3 tokens and the time."""
+    import random
+
+    from engine import SamplingParams
+    rng = random.Random(tag)
+    turn = [rng.randrange(256) for _ in range(320)]
+    sp = {"max_new_tokens": 4, "temperature": 0}
+    t0 = time.monotonic()
+    httpx.post(f"{ctx.url}/generate", json={"input_ids": turn, "sampling_params": sp}, timeout=120).raise_for_status()
+    while True:
+        time.sleep(1.0)   # the write-through is asynchronous
+        turn = turn + [9] * 24   # the next turn: its prefix is the last one, whose pages L3 should have
+        want = ctx.reference.generate([turn], SamplingParams(max_new_tokens=4, temperature=0.0))[0].token_ids
+        with ctx.load.paused():
+            _flush(ctx.url)
+            r = httpx.post(f"{ctx.url}/generate", json={"input_ids": turn, "sampling_params": sp}, timeout=120)
+        r.raise_for_status()
+        assert r.json()["output_ids"] == want, f"{tag}: wrong tokens from L3"
+        l3 = r.json()["meta_info"]["cached_tokens_by_tier"].get("L3", 0)
+        if l3 > 0:
+            return {"l3_hit_tokens_after": l3, "l3_serves_again_s": round(time.monotonic() - t0, 2)}
+        assert time.monotonic() - t0 < timeout, f"{tag}: L3 served no hit within {timeout:.0f}s of recovery"
 
 
 def _actor_or_skip(name: str):
@@ -226,7 +285,7 @@ def stop_mooncake_master(ctx: Ctx) -> Healed:
         pytest.skip("needs a cluster whose L3 is mooncake (this one's has no mooncake_master)")
     os.kill(pid, signal.SIGKILL)
     return Healed("mooncake_master", lambda: (ray.get(storage.status.remote(), timeout=5).get("master") or {})
-                  .get("pid") not in (None, pid))
+                  .get("pid") not in (None, pid), after=lambda: l3_serves(ctx, "stop_mooncake_master"))
 
 
 @fault("slow_transfer", "prefill-0's prefill->decode sends stall past transfer_timeout: those requests fail "
@@ -307,6 +366,7 @@ def run_under_load(ctx: Ctx, name: str, load: Load | None = None, warmup_s: floa
     assert served_at is not None, f"{name}: no request served within {recovery_bound_s:.0f}s"
     assert back_at is not None, f"{name}: {healed.target} not back within {recovery_bound_s:.0f}s"
     healed_at = max(served_at, back_at)
+    after = healed.after() if healed.after is not None else {}
     time.sleep(after_s)
     t_end = time.monotonic()
     outs = [o for o in list(load.rec.outcomes) if t0 <= o.ended <= t_end]
@@ -329,4 +389,4 @@ def run_under_load(ctx: Ctx, name: str, load: Load | None = None, warmup_s: floa
     return {"fault": name, "requests": len(outs), "counts": sub.counts(),
             "in_flight_errors": len(errors), "error_details": sorted({f"{o.status} {o.detail[:80]}" for o in errors}),
             "service_gap_s": round(served_at - t0, 2), "component_back_s": round(back_at - t0, 2),
-            "checked_tokens": v["checked"], **healed.extra}
+            "checked_tokens": v["checked"], **healed.extra, **after}

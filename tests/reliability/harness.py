@@ -8,22 +8,27 @@ from cluster import launch  # sets the Ray environment (loopback, no token auth)
 from cluster.config import ClusterConfig, load_config
 from tests.util import free_port
 
-DEFAULT_CONFIG = "cluster/configs/pd-2p1d.yaml"   # 2 prefill + 1 decode: a prefill worker can die
+# 2 prefill + 1 decode (a prefill worker can die), L3 in mooncake_master, EPLB: every fault has a target.
+DEFAULT_CONFIG = "cluster/configs/reliability.yaml"
 
 
 def cluster_config(l3_dir: str, config: str = DEFAULT_CONFIG, port: int | None = None) -> ClusterConfig:
-    """``config`` with its L3 file store in ``l3_dir`` (the tests corrupt it) and a free HTTP port."""
+    """``config`` with a file L3 store in ``l3_dir`` (the tests corrupt it), a Mooncake L3 master on a
+    free port, and a free HTTP port."""
     cfg = load_config(config)
     hc = cfg.engine.hicache
     if hc is not None and hc.l3 is not None:
         l3 = dataclasses.replace(hc.l3, path=l3_dir)
+        if l3.backend == "mooncake":
+            l3 = dataclasses.replace(l3, mooncake=dataclasses.replace(l3.mooncake,
+                                                                      master_addr=f"127.0.0.1:{free_port()}"))
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, hicache=dataclasses.replace(hc, l3=l3)))
     return dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, port=port or free_port()))
 
 
 def start(cfg: ClusterConfig) -> dict:
     launch.init_ray(cfg)   # retries a Ray start that misses its window on a busy box
-    return launch.deploy(cfg, ready_timeout=300.0)
+    return {**launch.deploy(cfg, ready_timeout=300.0), "cfg": cfg}
 
 
 def stop(handles: dict | None) -> None:

@@ -39,6 +39,7 @@ class SoakConfig:
     rebalance_every_s: float = 20.0   # when a strata-eplb actor exists
     faults: list[str] = field(default_factory=list)   # injected in turn, spread over the run
     rss_bound_bytes: int = 256 * MiB  # per worker process, end of warm-up -> end (after flush)
+    rss_every_s: float = 60.0         # sample every worker's RSS this often (the report's timeline)
     verify_limit: int | None = None   # compare at most this many requests (the long soak samples)
     seed: int = 0
 
@@ -82,7 +83,9 @@ def run_soak(handles: dict, reference, cfg: SoakConfig, l3_dir: str = "", load: 
         rss_phase = checks.process_info(handles)
         end = max(ld.warm_at + cfg.duration_s, t0 + (30.0 if load is not None else cfg.duration_s))
         nxt = {"flush": t0 + min(cfg.flush_every_s, (end - t0) / 3), "hot": t0 + cfg.hot_flush_every_s,
-               "rebalance": t0 + cfg.rebalance_every_s}
+               "rebalance": t0 + cfg.rebalance_every_s, "rss": t0 + cfg.rss_every_s}
+        # Anonymous RSS per worker over the run (MiB, keyed by seconds since warm-up): shows it levels off.
+        timeline = [_rss_sample(ld.warm_at, t0, rss_phase)]
         flush_every = min(cfg.flush_every_s, (end - t0) / 3)
         pending = list(cfg.faults)
         fault_gap = (end - t0) / (len(pending) + 1)
@@ -104,6 +107,9 @@ def run_soak(handles: dict, reference, cfg: SoakConfig, l3_dir: str = "", load: 
                 ray.get(eplb.trigger.remote(), timeout=120)
                 ev["rebalances"] += 1
                 nxt["rebalance"] = now + cfg.rebalance_every_s
+            if now >= nxt["rss"]:
+                timeline.append(_rss_sample(ld.warm_at, now, checks.process_info(handles)))
+                nxt["rss"] = now + cfg.rss_every_s
             if pending and now >= next_fault:
                 name = pending.pop(0)
                 healed = FAULTS[name].inject(Ctx(handles, url, reference, l3_dir, load=ld))
@@ -111,10 +117,13 @@ def run_soak(handles: dict, reference, cfg: SoakConfig, l3_dir: str = "", load: 
                 while not healed.check():
                     assert time.monotonic() < deadline, f"soak: {name} did not heal in 120s"
                     time.sleep(0.5)
-                ev["faults"].append({"fault": name, "healed_s": round(time.monotonic() - now, 2)})
+                after = healed.after() if healed.after is not None else {}
+                ev["faults"].append({"fault": name, "at": round(now, 2), "healed_s": round(time.monotonic() - now, 2),
+                                     **after})
                 next_fault = now + fault_gap
             time.sleep(0.2)
         rss_end_loaded = checks.process_info(handles)
+        timeline.append(_rss_sample(ld.warm_at, time.monotonic(), rss_end_loaded))
     finally:
         ld.stop()
     load_s = time.monotonic() - ld.warm_at
@@ -140,8 +149,13 @@ def run_soak(handles: dict, reference, cfg: SoakConfig, l3_dir: str = "", load: 
         # since the soak phase began (every worker).
         "rss_growth_mib": {w: mib(g) for w, g in checks.rss_growth(ld.rss0, rss1).items()},
         "rss_growth_phase_mib": {w: mib(g) for w, g in checks.rss_growth(rss_phase, rss1).items()},
+        "rss_timeline_mib": timeline,
         "pools_after_flush": used, "verified": v["checked"], "wrong": v["wrong"],
     }
+
+
+def _rss_sample(warm_at: float, now: float, info: dict) -> dict:
+    return {"t_s": round(now - warm_at), **{w: round(i["rss_anon_bytes"] / MiB, 1) for w, i in info.items()}}
 
 
 def check_report(rep: dict, cfg: SoakConfig) -> list[str]:
@@ -170,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default=None, help="cluster YAML (default: 2 prefill + 1 decode)")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--faults", default="", help="comma-separated fault names, or 'all' (the available ones)")
-    ap.add_argument("--verify-limit", type=int, default=3000, help="requests compared with Engine.generate")
+    ap.add_argument("--verify-limit", type=int, default=3000, help="requests compared with Engine.generate (0: every one)")
     ap.add_argument("--rss-bound-mib", type=int, default=512)
     ap.add_argument("--report", default=None, help="write the JSON report here too")
     args = ap.parse_args(argv)
@@ -181,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         if n not in FAULTS:
             ap.error(f"--faults: unknown fault {n!r} (known: {', '.join(FAULTS)})")
     cfg = SoakConfig(duration_s=args.duration, warmup_s=args.warmup, clients=args.clients, faults=names,
-                     verify_limit=args.verify_limit, rss_bound_bytes=args.rss_bound_mib * MiB)
+                     verify_limit=args.verify_limit or None, rss_bound_bytes=args.rss_bound_mib * MiB)
     with tempfile.TemporaryDirectory(prefix="strata-soak-l3-") as l3_dir:
         ccfg = harness.cluster_config(l3_dir, **({"config": args.config} if args.config else {}))
         handles = harness.start(ccfg)

@@ -203,6 +203,7 @@ def verify(rec: Recorder, reference, limit: int | None = None, seed: int = 0) ->
         if not ok:
             wrong.append({"kind": o.kind, "endpoint": o.endpoint, "stream": o.stream, "prompt_len": len(o.prompt),
                           "got": got[:16], "want": want[:16], "prompt": list(o.prompt), "max_new": o.max_new,
+                          "started": round(o.started, 2), "ended": round(o.ended, 2),   # time.monotonic()
                           **_margin(reference, o, got, want)})
     return {"checked": len(cands), "wrong": wrong}
 
