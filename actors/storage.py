@@ -191,6 +191,11 @@ class StorageActor:
     def worker_config(self) -> L3Config:
         return self.service.worker_config()
 
+    def worker_segment(self) -> str:
+        """The Mooncake segment workers should place pages in ("" without one): a restarted actor has a
+        new one, and workers poll this to follow it (actors/worker.py)."""
+        return self.service.client.segment_name() if self.service.client is not None else ""
+
     def attach(self, workers: dict) -> None:
         """The workers whose L3 counts ``status()`` sums."""
         self.workers = dict(workers)

@@ -26,7 +26,8 @@ log = logging.getLogger("strata.worker")
 @ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=1000)
 class WorkerActor:
     def __init__(self, worker_id: str, role: str, engine_cfg: EngineConfig, router=None,
-                 report_interval: float = 0.05, transfer_cfg: TransferConfig | None = None) -> None:
+                 report_interval: float = 0.05, transfer_cfg: TransferConfig | None = None, storage=None,
+                 l3_refresh_s: float = 2.0) -> None:
         if role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"role must be prefill, decode or colocated, got {role!r}")
         self.worker_id, self.role = worker_id, role
@@ -45,6 +46,13 @@ class WorkerActor:
             self.transfer = make_backend(self.tcfg, role, self.core.engine.pools, f"strata-{worker_id}-{uuid.uuid4().hex[:8]}")
         if role == "decode":
             threading.Thread(target=self._lease_loop, name="strata-leases", daemon=True).start()
+        # Mooncake L3: pages go to the storage actor's segment, which is new after that actor restarts (and
+        # a restarted worker was built with the first one): follow it, or new pages would land in the
+        # workers' own small segments and vanish with them.
+        l3 = self.core.engine.cache.l3 if self.core.engine.cache is not None else None
+        if storage is not None and l3 is not None and hasattr(l3.store, "prefer_segment"):
+            threading.Thread(target=self._l3_segment_loop, args=(storage, l3.store, l3_refresh_s),
+                             name="strata-l3-segment", daemon=True).start()
 
     async def start(self) -> dict:
         mc = self.core.engine.model_config
@@ -73,6 +81,19 @@ class WorkerActor:
                     log.warning("transfer lease %s expired: its pages are free again", lease.lease_id)
             except Exception as e:  # noqa: BLE001 - keep sweeping
                 log.warning("lease sweep failed: %r", e)
+
+    def _l3_segment_loop(self, storage, store, every: float) -> None:
+        wait = 0.0
+        while not self._stop.wait(wait):
+            wait = every
+            try:
+                seg = ray.get(storage.worker_segment.remote(), timeout=10)
+            except Exception as e:  # noqa: BLE001 - restarting: keep the segment we have, ask again
+                log.debug("storage actor unreachable: %r", e)
+                continue
+            if seg and seg != store.preferred_segment:
+                log.warning("L3 pages now go to segment %s (was %s)", seg, store.preferred_segment or "any")
+                store.prefer_segment(seg)
 
     # ---- prefill -> decode transfer (storage/transfer) -------------------------------------------
     async def reserve(self, prompt_len: int) -> Destination:

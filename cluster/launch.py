@@ -126,7 +126,7 @@ def start_actors(cfg: ClusterConfig, detached: bool = False, ready_timeout: floa
             name=f"strata-{wid}", namespace=ns, get_if_exists=get_if_exists, num_cpus=w.num_cpus,
             num_gpus=w.num_gpus, resources=w.role_resource(role), **life,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-        ).remote(wid, role, engine_cfg, router, transfer_cfg=cfg.transfer)
+        ).remote(wid, role, engine_cfg, router, transfer_cfg=cfg.transfer, storage=storage)
     ray.get([a.start.remote() for a in workers.values()], timeout=ready_timeout)
     if storage is not None:
         storage.attach.remote(workers)

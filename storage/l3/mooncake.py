@@ -245,6 +245,15 @@ class MooncakeStore(L3Store):
             return None
         return [r == 1 for r in res]
 
+    def prefer_segment(self, name: str) -> None:
+        """Place new objects in the segment ``name`` from now on ("" any): the storage actor's, after it
+        restarted with a new one. Objects already stored stay where they are."""
+        self._rc.preferred_segment = name
+
+    @property
+    def preferred_segment(self) -> str:
+        return self._rc.preferred_segment
+
     def segment_name(self) -> str:
         """The name other clients use to prefer this client's segment (``preferred_segment``)."""
         return self._client.get_hostname()

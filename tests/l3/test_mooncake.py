@@ -153,3 +153,28 @@ def test_pages_move_between_processes(own_master, tmp_path):
     finally:
         proc.communicate("done\n", timeout=30)
         reader.close()
+
+
+def test_pages_follow_the_preferred_segment_and_outlive_their_writer(own_master, tmp_path, keys):
+    # A worker's client (small segment) writes into the storage actor's segment; when that actor restarts
+    # with a new segment the worker switches (prefer_segment): its pages still outlive it.
+    MiB = 1 << 20
+    owners = [make_store(store_config("mooncake", tmp_path, own_master, mooncake={"segment_bytes": 64 * MiB}))
+              for _ in range(2)]
+    w = make_store(store_config("mooncake", tmp_path, own_master, mooncake={
+        "segment_bytes": 16 * MiB, "preferred_segment": owners[0].segment_name()}))
+    page = random_pages(1, numel=512 * 1024)[0]   # 1 MiB
+    try:
+        for i, owner in enumerate(owners):
+            w.prefer_segment(owner.segment_name())
+            assert w.preferred_segment == owner.segment_name()
+            ks = keys(24, start=100 * i)
+            assert w.batch_set(ks, [page] * 24) == [True] * 24   # 24 MiB: more than the writer's segment
+            assert owner.present(ks) == [True] * 24
+        w.close()   # its segment is gone: whatever it held is lost
+        out = [torch.zeros_like(page) for _ in range(24)]
+        for i, owner in enumerate(owners):
+            assert owner.batch_get(keys(24, start=100 * i), out) == [True] * 24 and torch.equal(out[23], page)
+    finally:
+        for o in owners:
+            o.close()

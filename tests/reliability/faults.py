@@ -236,7 +236,24 @@ def kill_storage(ctx: Ctx) -> Healed:
     storage = _actor_or_skip("strata-storage")
     old = _pid(storage)
     ray.kill(storage, no_restart=False)
-    return Healed("storage", _restarted(storage, old), after=lambda: l3_serves(ctx, "kill_storage"))
+    def after() -> dict:
+        out = {}
+        if _l3_backend(ctx) == "mooncake":   # the new actor has a new segment: every worker must follow it
+            t0, seg = time.monotonic(), ray.get(storage.worker_segment.remote(), timeout=30)
+            while (prefs := _preferred_segments(ctx)) != dict.fromkeys(prefs, seg):
+                assert time.monotonic() - t0 < 30, f"workers still place L3 pages in {prefs}, not {seg}"
+                time.sleep(0.5)
+            out["workers_follow_segment_s"] = round(time.monotonic() - t0, 2)
+        return {**out, **l3_serves(ctx, "kill_storage")}
+    return Healed("storage", _restarted(storage, old), after=after)
+
+
+def _preferred_segments(ctx: Ctx) -> dict[str, str]:
+    """Each worker's Mooncake L3 client's preferred segment."""
+    def pref(self) -> str:
+        return self.core.engine.cache.l3.store.preferred_segment
+    ws = ctx.handles["workers"]
+    return dict(zip(ws, ray.get([w.__ray_call__.remote(pref) for w in ws.values()], timeout=30)))
 
 
 def l3_serves(ctx: Ctx, tag: str, timeout: float = 60.0) -> dict:

@@ -5,6 +5,8 @@ import json
 import httpx
 import pytest
 
+pytestmark = pytest.mark.slow   # the real cluster: `make test` runs it, `make test-fast` does not
+
 GOOD = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
 CTX = 8192  # strata-tiny's context
 

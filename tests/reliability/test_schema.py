@@ -8,6 +8,7 @@ fixture runs) and ``test_the_served_schema_is_the_one_fuzzed`` proves it is the 
 Not checked: ``positive_data_acceptance``. A schema cannot say everything the server refuses on purpose
 with a 400 naming the field (exactly one of text/input_ids, prompt + max tokens beyond the context)."""
 import httpx
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis import checks
@@ -17,6 +18,8 @@ from cluster.config import load_config
 from engine.model.config import ModelConfig
 from engine.model.loader import resolve_model_path
 from tests.reliability.harness import DEFAULT_CONFIG
+
+pytestmark = pytest.mark.slow   # the real cluster: `make test` runs it, `make test-fast` does not
 
 MAX_NEW = 8  # valid cases generate at most this many tokens: fuzzing input, not generation length
 

@@ -20,6 +20,8 @@ from tests.reliability import checks
 from tests.reliability.faults import FAULTS, Ctx, run_under_load
 from tests.reliability.soak import SoakConfig, check_report, run_soak, start_load
 
+pytestmark = pytest.mark.slow   # the real cluster under load: `make test` runs it, `make test-fast` does not
+
 CFG = SoakConfig(duration_s=120.0, warmup_s=10.0, clients=4)
 ORDER = ["corrupt_l3", "kill_prefill", "kill_decode", "kill_router", "kill_ingress",
          "kill_storage", "stop_mooncake_master", "slow_transfer", "eplb_rebalance"]

@@ -179,7 +179,9 @@ async def client_loop(cid: int, url: str, cfg: LoadConfig, rec: Recorder, stop: 
 
 def verify(rec: Recorder, reference, limit: int | None = None, seed: int = 0) -> dict:
     """Compare greedy outputs with ``reference`` (an offline Engine on the same model). Returns
-    {"checked", "wrong": [...]}; an ok request must match exactly, any other a prefix."""
+    {"checked", "wrong": [...], "near_ties": [...]}; an ok request must match exactly, any other a
+    prefix, except that a departure at a near-tie of the reference's logits, after which the reference
+    continues the cluster's own tokens, is a correct answer (``explain_by_ties``) reported apart."""
     from engine import SamplingParams
 
     cands = [o for o in rec.outcomes if o.tokens or o.text or (o.kind == OK)]
@@ -194,34 +196,55 @@ def verify(rec: Recorder, reference, limit: int | None = None, seed: int = 0) ->
         outs = reference.generate([list(p) for p, _ in chunk],
                                   [SamplingParams(max_new_tokens=n, temperature=0.0) for _, n in chunk])
         memo.update({k: o.token_ids for k, o in zip(chunk, outs)})
-    wrong = []
+    wrong, ties = [], []
     for o in cands:
         want, got = memo[(tuple(o.prompt), o.max_new)], o.tokens
         if o.text is not None or o.endpoint != "/generate":
             want, got = reference.tokenizer.decode(want), o.text or ""
         ok = got == want if o.kind == OK else got == want[:len(got)]
-        if not ok:
-            wrong.append({"kind": o.kind, "endpoint": o.endpoint, "stream": o.stream, "prompt_len": len(o.prompt),
-                          "got": got[:16], "want": want[:16], "prompt": list(o.prompt), "max_new": o.max_new,
-                          "started": round(o.started, 2), "ended": round(o.ended, 2),   # time.monotonic()
-                          **_margin(reference, o, got, want)})
-    return {"checked": len(cands), "wrong": wrong}
+        if ok:
+            continue
+        tie = explain_by_ties(reference, o) if isinstance(got, list) else None
+        entry = {"kind": o.kind, "endpoint": o.endpoint, "stream": o.stream, "prompt_len": len(o.prompt),
+                 "got": got[:16], "want": want[:16], "prompt": list(o.prompt), "max_new": o.max_new,
+                 "started": round(o.started, 2), "ended": round(o.ended, 2),   # time.monotonic()
+                 **(tie or {})}
+        (ties if tie is not None and tie["explained"] else wrong).append(entry)
+    return {"checked": len(cands), "wrong": wrong, "near_ties": ties}
 
 
-def _margin(reference, o: Outcome, got, want) -> dict:
-    """Where a wrong answer first diverges and the reference's top-1 minus top-2 logit there: a margin
-    near 0 points at a numerical near-tie (batch shape), a wide one at wrong KV."""
+# Two correct computations of one sequence (alone or batched, prefix recomputed or read back from a
+# cache tier) differ in their fp32 logits by up to ~1e-4 (measured: median 1.2e-5, max 8.3e-5 over 3840
+# tokens of soak-like conversations), so at a near-tie greedy decoding may pick either token. A wrong KV
+# page moves logits by far more than this.
+TIE_TOLERANCE = 1e-3
+
+
+def explain_by_ties(reference, o: Outcome, tol: float = TIE_TOLERANCE, max_ties: int = 3) -> dict:
+    """Whether a greedy answer that differs from the reference's is still a correct one: at each point
+    where it departs, the reference's logit of the token the cluster chose must be within ``tol`` of its
+    top logit (a near-tie), and from there the reference, continuing the cluster's own tokens, must
+    reproduce the rest. Returns the divergence points, their margins and ``explained``."""
     from engine import SamplingParams
-    if not isinstance(got, list):
-        return {}
-    i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-    try:
-        out = reference.generate([o.prompt], SamplingParams(max_new_tokens=o.max_new, temperature=0.0,
-                                                            return_logits=True))[0]
-        top = out.logits[i].float().topk(2).values
-        return {"diverges_at": i, "ref_margin_at_divergence": round(float(top[0] - top[1]), 6)}
-    except Exception as e:  # diagnosis only: never hide the mismatch itself
-        return {"diverges_at": i, "margin_error": repr(e)[:100]}
+    got, points = list(o.tokens), []
+    start = 0   # got[:start] is already explained
+    while True:
+        ctx = list(o.prompt) + got[:start]
+        n = o.max_new - start
+        if n <= 0 or start >= len(got):
+            return {"explained": True, "near_ties": points}
+        ref = reference.generate([ctx], SamplingParams(max_new_tokens=n, temperature=0.0, return_logits=True))[0]
+        tail, want = got[start:], ref.token_ids
+        k = next((i for i, (a, b) in enumerate(zip(tail, want)) if a != b), None)
+        if k is None:   # the rest agrees (a shorter answer must be a prefix: aborted, or a stop token)
+            ok = len(tail) <= len(want) if o.kind != OK else tail == want
+            return {"explained": ok, "near_ties": points}
+        logits = ref.logits[k].float()
+        gap = float(logits.max() - logits[tail[k]])
+        points.append({"at": start + k, "ref_token": want[k], "got_token": tail[k], "ref_margin": round(gap, 6)})
+        if gap > tol or len(points) > max_ties:
+            return {"explained": False, "near_ties": points}
+        start += k + 1
 
 
 class Load:
