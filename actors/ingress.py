@@ -60,13 +60,15 @@ class RayBackend:
 
     async def _route(self, keys, n: int, avoid: tuple[str, ...], wait: float = 10.0) -> dict:
         """Ask the router; a router that has just restarted knows no worker until their next reports
-        (every report interval), so "no worker" is retried for a few seconds rather than failing."""
+        (every report interval), so "no prefill/decode worker" is retried for a few seconds rather than
+        failing."""
         deadline = asyncio.get_running_loop().time() + wait
         while True:
             try:
                 return await self.router.route.remote(keys, n, list(avoid))
             except ray.exceptions.RayTaskError as e:
-                if "no prefill worker" not in str(e) or asyncio.get_running_loop().time() > deadline:
+                no_worker = "no prefill worker" in str(e) or "no decode worker" in str(e)
+                if not no_worker or asyncio.get_running_loop().time() > deadline:
                     raise
                 await asyncio.sleep(0.1)
 

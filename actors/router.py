@@ -10,7 +10,7 @@ from actors.routing import L3_WORKER, PrefixIndex, RouterConfig, pick_decode, ro
 
 @ray.remote(max_restarts=-1, max_task_retries=-1)
 class PrefixRouterActor:
-    def __init__(self, cfg: RouterConfig, stale_after: float = 10.0) -> None:
+    def __init__(self, cfg: RouterConfig, stale_after: float = 10.0, l3_model: str | None = None) -> None:
         self.cfg = cfg
         self.index = PrefixIndex()
         self.loads: dict[str, dict] = {}
@@ -20,7 +20,9 @@ class PrefixRouterActor:
         self.dropped: set[str] = set()
         self.stale_after = stale_after
         self.decisions = 0
-        self.l3_names = None          # storage/l3/index.py, once the storage actor runs (set_l3_model)
+        self.l3_names = None          # storage/l3/index.py: L3 object names -> page keys
+        if l3_model:   # a constructor argument, so a restarted router maps evicted names again
+            self.set_l3_model(l3_model)
 
     def report(self, worker: str, role: str, events: list, load: dict, fresh: bool) -> None:
         if worker in self.removed:

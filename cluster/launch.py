@@ -60,7 +60,10 @@ def start_local_ray(attempts: int = 3, **kwargs) -> None:
 
     Ray gives a new raylet a fixed 30 s to register with its GCS; on a 2-core box whose cores are busy
     (a test suite, other jobs) that is sometimes too short, and a second start is the remedy."""
-    kwargs = {"include_dashboard": False, "_node_ip_address": "127.0.0.1", "log_to_driver": False, **kwargs}
+    # address="local": a new cluster even where an earlier `ray start` left its address behind (ray.init
+    # would try to join that one, and refuse num_cpus, or hang on a dead one).
+    kwargs = {"address": "local", "include_dashboard": False, "_node_ip_address": "127.0.0.1",
+              "log_to_driver": False, **kwargs}
     for i in range(attempts):
         try:
             ray.init(**kwargs)
@@ -97,13 +100,14 @@ def start_actors(cfg: ClusterConfig, detached: bool = False, ready_timeout: floa
     life = {"lifetime": "detached"} if detached else {}
     # The configured namespace even when called from a task of another namespace (a Serve app builder).
     ns = cfg.ray.namespace
+    hc = engine_cfg.hicache
+    l3_model = model_id(path, mc, engine_cfg) if hc is not None and hc.l3 is not None else None
     router = PrefixRouterActor.options(name="strata-router", namespace=ns, num_cpus=0.1, get_if_exists=True,
-                                       **life).remote(router_cfg)
+                                       **life).remote(router_cfg, l3_model=l3_model)
     storage = _start_storage(cfg, router, life)
     if storage is not None:   # workers open L3 with the storage actor's connection info
         l3 = ray.get(storage.worker_config.remote(), timeout=ready_timeout)
         engine_cfg = dataclasses.replace(engine_cfg, hicache=dataclasses.replace(engine_cfg.hicache, l3=l3))
-        ray.get(router.set_l3_model.remote(model_id(path, mc, engine_cfg)), timeout=ready_timeout)
     roles = ([("colocated", i) for i in range(cfg.workers.colocated)]
              + [("prefill", i) for i in range(cfg.workers.prefill)]
              + [("decode", i) for i in range(cfg.workers.decode)])

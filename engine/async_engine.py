@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import logging
+import os
 import queue
 import threading
 import time
@@ -18,6 +20,8 @@ from engine.disagg import KVPayload
 from engine.engine import Engine
 from engine.request import Status
 from engine.sampling import SamplingParams
+
+log = logging.getLogger("strata.engine")
 
 
 @dataclass
@@ -45,6 +49,10 @@ class AsyncEngine:
         self._stop = False
         self.last_step_time = time.monotonic()
         self.steps = 0
+        # STRATA_DEBUG_INTEGRITY=1: check every invariant after each step and command (the reliability
+        # suite runs so): a page owned twice for a moment, gone again by the next flush, is caught here.
+        self.debug_integrity = os.environ.get("STRATA_DEBUG_INTEGRITY") == "1"
+        self.integrity_failures: list[str] = []
         self._thread = threading.Thread(target=self._run, name=f"strata-{name}", daemon=True)
         self._thread.start()
 
@@ -71,6 +79,8 @@ class AsyncEngine:
                         self._cmds.get_nowait()()
                     except queue.Empty:
                         break
+            if self.debug_integrity and cmd is not None:
+                self._check(f"after a command, step {self.steps}")
             if self.engine.has_unfinished():
                 try:
                     outs = self.engine.step()
@@ -81,6 +91,16 @@ class AsyncEngine:
                 self.last_step_time = time.monotonic()
                 for o in outs:
                     self._emit(o.rid, o.new_token_ids, o.finished)
+                if self.debug_integrity:
+                    self._check(f"after step {self.steps}")
+
+    def _check(self, when: str) -> None:
+        try:
+            self.engine.check_integrity()
+        except AssertionError as e:
+            log.error("integrity broken %s: %s", when, e)
+            if len(self.integrity_failures) < 20:
+                self.integrity_failures.append(f"{when}: {e}"[:2000])
 
     def _emit(self, rid: str, toks: list[int], finished: bool) -> None:
         stream = self._streams.get(rid)

@@ -112,7 +112,13 @@ def kill_router(ctx: Ctx) -> Healed:
             return False
         st = ray.get(router.status.remote(), timeout=5)
         return set(st["workers"]) >= set(ctx.handles["workers"])
-    return Healed("router", check)
+    def after() -> dict:   # a restarted router still maps the storage actor's evictions to page keys
+        if _l3_backend(ctx) is None:
+            return {}
+        model = ray.get(router.__ray_call__.remote(lambda self: self.l3_names and self.l3_names.model_id), timeout=30)
+        assert model, "the restarted router lost the L3 model id: it can no longer map evicted L3 pages"
+        return {"router_l3_model": model}
+    return Healed("router", check, after=after)
 
 
 def ingress_replicas() -> list:
@@ -152,12 +158,14 @@ def corrupt_l3(ctx: Ctx) -> Healed:
     body = {"input_ids": hist, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
     httpx.post(f"{ctx.url}/generate", json=body, timeout=120).raise_for_status()
     mooncake = _l3_backend(ctx) == "mooncake"
-    stored = (lambda: len(_router_l3_keys(ctx))) if mooncake else (lambda: _count_files(ctx.l3_dir))
+    keys = _l3_keys(ctx, hist) if mooncake else []
+    stored = (lambda: _mooncake_present(keys)) if mooncake else (lambda: _count_files(ctx.l3_dir))
     deadline = time.monotonic() + 30
     while stored() < len(hist) // 16 and time.monotonic() < deadline:
         time.sleep(0.2)
     with ctx.load.paused():   # flush needs idle workers: afterwards only L3 holds the prefix
-        n = corrupt_mooncake(_router_l3_keys(ctx)) if mooncake else corrupt_files(ctx.l3_dir)
+        # Mooncake: this prompt's pages and every page the router counts (the soak's conversations).
+        n = corrupt_mooncake(sorted(set(keys) | set(_router_l3_keys(ctx)))) if mooncake else corrupt_files(ctx.l3_dir)
         _flush(ctx.url)
     turn2 = hist + [7] * 40
     r = httpx.post(f"{ctx.url}/generate", json={**body, "input_ids": turn2}, timeout=120).json()
@@ -177,6 +185,25 @@ def _l3_backend(ctx: Ctx) -> str | None:
 def _router_l3_keys(ctx: Ctx) -> list[str]:
     """The store keys of every L3 page the router counts (it learns them from the workers' events)."""
     return [k for k, _ in ray.get(ctx.handles["router"].l3_entries.remote(), timeout=30)]
+
+
+def _l3_keys(ctx: Ctx, tokens: list[int]) -> list[str]:
+    """The L3 store keys of a prompt's whole pages, both components (computed as the workers do)."""
+    from pathlib import Path
+
+    from actors.routing import RouterConfig, prompt_keys
+    from engine.engine import model_id
+    from storage.l3.base import l3_key
+    cfg = ctx.handles["cfg"]
+    mid = model_id(Path(ctx.handles["model_path"]), ctx.handles["model_config"], cfg.engine)
+    pks = prompt_keys(tokens, RouterConfig(page_size=cfg.engine.page_size))
+    return [l3_key(mid, c, k) for c in ("full", "swa") for k in pks]
+
+
+def _mooncake_present(keys: list[str]) -> int:
+    def count(actor, keys: list[str]) -> int:
+        return sum(actor.service.client.present(keys) or [])
+    return ray.get(ray.get_actor("strata-storage").__ray_call__.remote(count, keys), timeout=30)
 
 
 def corrupt_mooncake(keys: list[str]) -> int:
@@ -319,14 +346,19 @@ def slow_transfer(ctx: Ctx) -> Healed:
         return ray.get(pre.__ray_call__.remote(set_delay), timeout=30)
 
     timeout = stall(0.0)
-    stall(timeout + 2.0)
+    delay = timeout + 2.0
+    stall(delay)
     t0 = time.monotonic()
+    lifted: list[float] = []
 
-    def check() -> bool:  # lifted once a stalled send must have hit its timeout
-        if time.monotonic() - t0 < timeout + 3.0:
-            return False
-        stall(0.0)
-        return True
+    def check() -> bool:  # lifted once a stalled send must have hit its timeout; healed once the sends
+        now = time.monotonic()   # stalled before the lift have all failed (they sleep ``delay``)
+        if not lifted:
+            if now - t0 < timeout + 3.0:
+                return False
+            stall(0.0)
+            lifted.append(now)
+        return now - lifted[0] > delay + 1.0
     return Healed("transfer", check, extra={"transfer_timeout_s": timeout})
 
 

@@ -13,6 +13,8 @@ included) runs through this whole module on the shared real cluster.
 
 The long soak is ``make soak DURATION=30m`` (``python -m tests.reliability.soak``)."""
 import json
+import os
+import tempfile
 
 import pytest
 
@@ -48,6 +50,11 @@ def test_fault_under_load(rcluster, reference, load, name):
 
 def test_soak_ci_two_minutes_of_mixed_load(rcluster, reference, load):
     rep = run_soak(rcluster, reference, CFG, rcluster["l3_dir"], load=load)
+    # The whole report (wrong answers with their prompts included) for a failure to be replayed.
+    path = os.path.join(os.environ.get("STRATA_HOME", tempfile.gettempdir()), "soak-ci-report.json")
+    with open(path, "w") as f:
+        json.dump(rep, f, default=str)
+    print(f"soak report: {path}")
     print(json.dumps({k: rep[k] for k in ("load_seconds", "soak_phase_seconds", "requests", "counts", "events",
                                           "verified", "rss_anon_mib", "rss_growth_mib", "rss_growth_phase_mib")}))
     assert rep["load_seconds"] >= CFG.duration_s
