@@ -214,7 +214,7 @@ class WorkerActor:
         """Check the engine's invariants (pools, radix tree, tiers) on the engine thread; raises
         AssertionError naming the first broken one."""
         await self.core.call(lambda e: e.check_integrity())
-        if self.core.integrity_failures:   # seen by the per-step checks (STRATA_DEBUG_INTEGRITY=1)
+        if self.core.integrity_failures:   # seen by the per-step checks (engine.debug_integrity)
             raise AssertionError(f"{self.worker_id}: {len(self.core.integrity_failures)} integrity failures "
                                  f"between steps, the first: {self.core.integrity_failures[0]}")
         return True

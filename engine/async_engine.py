@@ -9,7 +9,6 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
@@ -49,9 +48,9 @@ class AsyncEngine:
         self._stop = False
         self.last_step_time = time.monotonic()
         self.steps = 0
-        # STRATA_DEBUG_INTEGRITY=1: check every invariant after each step and command (the reliability
+        # EngineConfig.debug_integrity: check every invariant after each step and command (the reliability
         # suite runs so): a page owned twice for a moment, gone again by the next flush, is caught here.
-        self.debug_integrity = os.environ.get("STRATA_DEBUG_INTEGRITY") == "1"
+        self.debug_integrity = engine.cfg.debug_integrity
         self.integrity_failures: list[str] = []
         self._thread = threading.Thread(target=self._run, name=f"strata-{name}", daemon=True)
         self._thread.start()

@@ -24,6 +24,7 @@ class EngineConfig:
     dtype: str = "float32"
     seed: int = 0                        # seeds the sampler of requests without their own seed
     poison_kv: bool = False              # debug: fill fresh L1 pages with garbage (tests)
+    debug_integrity: bool = False        # debug: check every invariant after each step (AsyncEngine)
     torch_threads: int = 0               # intra-op threads for this process; 0 keeps torch's default
     enable_prefix_cache: bool = False
     hicache: HiCacheConfig | None = None  # the L2 host tier; None keeps the cache in L1 only
@@ -39,6 +40,8 @@ class EngineConfig:
             raise ValueError(f"chunk_size must be an int >= 0, got {self.chunk_size!r}")
         if isinstance(self.torch_threads, bool) or not isinstance(self.torch_threads, int) or self.torch_threads < 0:
             raise ValueError(f"torch_threads must be an int >= 0, got {self.torch_threads!r}")
+        if not isinstance(self.debug_integrity, bool):
+            raise ValueError(f"debug_integrity must be a bool, got {self.debug_integrity!r}")
         if self.hicache is not None and not isinstance(self.hicache, HiCacheConfig):
             raise ValueError("hicache must be a HiCacheConfig")
         if self.hicache is not None and not self.enable_prefix_cache:

@@ -3,7 +3,6 @@ offline reference engine their outputs are compared with."""
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from cluster import launch  # sets the Ray environment (loopback, no token auth) on import
 from cluster.config import ClusterConfig, load_config
@@ -24,22 +23,14 @@ def cluster_config(l3_dir: str, config: str = DEFAULT_CONFIG, port: int | None =
             l3 = dataclasses.replace(l3, mooncake=dataclasses.replace(l3.mooncake,
                                                                       master_addr=f"127.0.0.1:{free_port()}"))
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, hicache=dataclasses.replace(hc, l3=l3)))
+    # Every worker checks its invariants after each step and command (engine/async_engine.py): a page
+    # owned twice for a moment is caught when it happens, not only if it lasts until the next check.
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, debug_integrity=True))
     return dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, port=port or free_port()))
 
 
 def start(cfg: ClusterConfig) -> dict:
-    # Every worker checks its invariants after each step and command (engine/async_engine.py): a page
-    # owned twice for a moment is caught when it happens, not only if it lasts until the next check.
-    # Set around the start only: the raylet hands its environment to the worker processes it spawns.
-    before = os.environ.get("STRATA_DEBUG_INTEGRITY")
-    os.environ["STRATA_DEBUG_INTEGRITY"] = "1"
-    try:
-        launch.init_ray(cfg)   # retries a Ray start that misses its window on a busy box
-    finally:
-        if before is None:
-            os.environ.pop("STRATA_DEBUG_INTEGRITY")
-        else:
-            os.environ["STRATA_DEBUG_INTEGRITY"] = before
+    launch.init_ray(cfg)   # retries a Ray start that misses its window on a busy box
     return {**launch.deploy(cfg, ready_timeout=300.0), "cfg": cfg}
 
 
