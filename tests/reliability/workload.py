@@ -31,6 +31,7 @@ class Outcome:
     status: int = 0
     detail: str = ""
     text: str | None = None        # /v1/completions answers text, not ids: compared as text
+    meta: dict | None = None       # /generate's meta_info (route: prefill/decode worker, cache tiers)
 
 
 @dataclass
@@ -108,7 +109,7 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ma
                 if r.status_code != 200:
                     o.kind, o.detail = ERROR, r.text[:200]
                 elif endpoint == "/generate":
-                    o.tokens = r.json()["output_ids"]
+                    o.tokens, o.meta = r.json()["output_ids"], r.json().get("meta_info")
                 else:
                     o.text = r.json()["choices"][0]["text"]
             else:
@@ -141,6 +142,7 @@ async def _stream(client, url, body, endpoint, abort_after, o: Outcome) -> None:
                 continue
             if endpoint == "/generate":
                 o.tokens = ev["output_ids"]
+                o.meta = ev.get("meta_info") or o.meta
             else:
                 o.text = (o.text or "") + (ev["choices"][0]["text"] if ev["choices"] else "")
             events += 1
@@ -208,7 +210,7 @@ def verify(rec: Recorder, reference, limit: int | None = None, seed: int = 0) ->
         entry = {"kind": o.kind, "endpoint": o.endpoint, "stream": o.stream, "prompt_len": len(o.prompt),
                  "got": got[:16], "want": want[:16], "prompt": list(o.prompt), "max_new": o.max_new,
                  "started": round(o.started, 2), "ended": round(o.ended, 2),   # time.monotonic()
-                 **(tie or {})}
+                 "meta": o.meta, **(tie or {})}
         (ties if tie is not None and tie["explained"] else wrong).append(entry)
     return {"checked": len(cands), "wrong": wrong, "near_ties": ties}
 
