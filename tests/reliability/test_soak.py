@@ -37,7 +37,7 @@ KNOWN_WRONG_MAX = 3
 def judge_wrong(wrong: list[dict], what: str) -> None:
     if not wrong:
         return
-    brief = [{k: w.get(k) for k in ("endpoint", "stream", "prompt_len", "got", "want", "near_ties")} for w in wrong]
+    brief = [{k: w.get(k) for k in ("endpoint", "stream", "prompt_len", "got", "want", "near_ties", "meta")} for w in wrong]
     if len(wrong) <= KNOWN_WRONG_MAX:
         pytest.xfail(f"{what}: {len(wrong)} wrong answers, the open defect of issue #11: {brief}")
     raise AssertionError(f"{what}: {len(wrong)} requests got wrong tokens: {brief[:5]}")
