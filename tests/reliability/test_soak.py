@@ -26,11 +26,11 @@ pytestmark = pytest.mark.slow   # the real cluster under load: `make test` runs 
 
 CFG = SoakConfig(duration_s=120.0, warmup_s=10.0, clients=4)
 
-# Issue #11 is open on this: under this load, some runs have 1-3 requests (one conversation's
-# consecutive turns) whose decoded tokens are wrong although their first token, from the prefill
-# worker, is right (RELIABILITY.md, "Open defect"). Until it is found such a run is reported as an
-# expected failure (XFAIL, naming the requests), not as a pass; more wrong answers fail the run, and the
-# long soak (`make soak`) fails on any.
+# Issue #11 is open on this: under this load, some runs have 1-3 answers that depart from the reference
+# because top-k MoE routing has near-ties (router gaps ~1e-7) that batch-shape noise flips
+# (RELIABILITY.md, "MoE routing near-ties"); the verifier does not yet excuse those. Until it does such
+# a run is reported as an expected failure (XFAIL, naming the requests), not as a pass; more departures
+# fail the run, and the long soak (`make soak`) fails on any.
 KNOWN_WRONG_MAX = 3
 
 
@@ -39,7 +39,7 @@ def judge_wrong(wrong: list[dict], what: str) -> None:
         return
     brief = [{k: w.get(k) for k in ("endpoint", "stream", "prompt_len", "got", "want", "near_ties", "meta")} for w in wrong]
     if len(wrong) <= KNOWN_WRONG_MAX:
-        pytest.xfail(f"{what}: {len(wrong)} wrong answers, the open defect of issue #11: {brief}")
+        pytest.xfail(f"{what}: {len(wrong)} departures, issue #11 (MoE routing near-ties, not yet excused): {brief}")
     raise AssertionError(f"{what}: {len(wrong)} requests got wrong tokens: {brief[:5]}")
 ORDER = ["corrupt_l3", "kill_prefill", "kill_decode", "kill_router", "kill_ingress",
          "kill_storage", "stop_mooncake_master", "slow_transfer", "eplb_rebalance"]
