@@ -17,7 +17,8 @@ from typing import Callable
 import httpx
 import ray
 
-from tests.reliability.workload import ERROR, HUNG, Load, LoadConfig, Recorder, verify
+from tests.reliability.judge import verify
+from tests.reliability.workload import ERROR, HUNG, Load, LoadConfig, Recorder
 
 
 @dataclass

@@ -23,7 +23,8 @@ import ray
 
 from tests.reliability import checks
 from tests.reliability.faults import FAULTS, Ctx
-from tests.reliability.workload import HUNG, OK, Load, LoadConfig, verify
+from tests.reliability.judge import verify
+from tests.reliability.workload import HUNG, OK, Load, LoadConfig
 
 MiB = 1 << 20
 
@@ -151,7 +152,7 @@ def run_soak(handles: dict, reference, cfg: SoakConfig, l3_dir: str = "", load: 
         "rss_growth_phase_mib": {w: mib(g) for w, g in checks.rss_growth(rss_phase, rss1).items()},
         "rss_timeline_mib": timeline,
         "pools_after_flush": used, "verified": v["checked"], "wrong": v["wrong"],
-        # Answers that departed from the reference only where it had a near-tie (workload.explain_by_ties).
+        # Answers that departed from the reference only where it had a near-tie (judge.explain_by_ties).
         "near_ties": [{k: x for k, x in t.items() if k != "prompt"} for t in v["near_ties"]],
     }
 

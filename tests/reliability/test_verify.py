@@ -1,11 +1,12 @@
-"""The soak's judge (``workload.verify``) on an offline engine, no cluster: a right answer passes, a wrong
+"""The soak's judge (``judge.verify``) on an offline engine, no cluster: a right answer passes, a wrong
 token fails, and a departure is excused only where it is a near-tie the reference then continues."""
 import random
 
 import pytest
 
 from engine import Engine, SamplingParams
-from tests.reliability.workload import ABORTED, OK, Outcome, Recorder, explain_by_ties, verify
+from tests.reliability.judge import explain_by_ties, verify
+from tests.reliability.workload import ABORTED, OK, Outcome, Recorder
 
 
 @pytest.fixture(scope="module")
