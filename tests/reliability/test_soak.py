@@ -28,8 +28,8 @@ CFG = SoakConfig(duration_s=120.0, warmup_s=10.0, clients=4)
 
 # Top-k MoE routing near-ties (router gaps ~1e-7) flipped by batch-shape noise make a few answers depart
 # from the reference (RELIABILITY.md, "MoE routing near-ties"); the verifier excuses one only when
-# reversing the reference's closest routing tie reproduces it (judge.explain_by_routing_tie). What it
-# cannot explain yet (a tie in a decode step, two ties) is, up to KNOWN_WRONG_MAX answers, reported as an
+# reversing one of the reference's routing ties reproduces it (judge.explain_by_routing_tie). What it
+# cannot explain yet (two ties broken in one sequence) is, up to KNOWN_WRONG_MAX answers, reported as an
 # expected failure (XFAIL, naming the requests), not a pass, until enough runs show it never happens;
 # more fail the run, and the long soak (`make soak`) fails on any.
 KNOWN_WRONG_MAX = 3

@@ -104,3 +104,50 @@ def test_a_departure_after_a_routing_tie_is_excused_only_if_that_tie_explains_it
     bad = got[:3] + [(got[3] + 1) % 256] + got[4:]
     v = verify(Recorder([_outcome(prompt, bad, 15)]), one_step)
     assert len(v["wrong"]) == 1 and not v["wrong"][0]["explained"]
+
+
+def _routing_runs(eng, prompt, n, flip=None):
+    """Greedy answer of ``eng`` with every router's decisions recorded as (gap, layer, step, row), and
+    the one at ``flip`` = (layer, step, row) given its (k+1)-th expert instead of its k-th."""
+    import torch
+    from engine.model.moe import TopKRouter
+    routers = [m for m in eng.model.modules() if isinstance(m, TopKRouter)]
+    seen, calls = [], [0] * len(routers)
+
+    def hook(layer):
+        def h(mod, args, out):
+            lg = torch.nn.functional.linear(args[0], mod.weight, mod.bias)
+            step, calls[layer] = calls[layer], calls[layer] + 1
+            v, idx = lg.sort(-1, descending=True)
+            seen.extend((float(v[r, mod.top_k - 1] - v[r, mod.top_k]), layer, step, r) for r in range(lg.shape[0]))
+            if flip is None or flip[:2] != (layer, step):
+                return out
+            chosen = idx[:, :mod.top_k].clone()
+            chosen[flip[2], -1] = idx[flip[2], mod.top_k]
+            return torch.softmax(lg.gather(-1, chosen), dim=-1), chosen
+        return h
+    hs = [r.register_forward_hook(hook(i)) for i, r in enumerate(routers)]
+    try:
+        return eng.generate([prompt], SamplingParams(max_new_tokens=n, temperature=0.0))[0].token_ids, seen
+    finally:
+        for h in hs:
+            h.remove()
+
+
+def test_a_routing_tie_in_a_decode_step_is_found_and_only_that_one_excuses(ref):
+    from tests.reliability.judge import explain_by_routing_tie
+    one_step = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=512, max_batch_tokens=4096)
+    p = _prompt(5, 40)
+    want, seen = _routing_runs(one_step, p, 12)
+    # The closest decode-step decision whose other choice changes the answer: a cluster whose noise broke it.
+    for gap, layer, step, row in sorted(d for d in seen if d[2] >= 1):
+        got, _ = _routing_runs(one_step, p, 12, flip=(layer, step, row))
+        if got != want:
+            break
+    else:
+        pytest.skip("no decode-step routing decision changes this answer")
+    o = _outcome(p, got, 12)
+    res = explain_by_routing_tie(one_step, o, tol=gap * 1.0001, max_tries=64)
+    assert res["explained"] and res["routing_tie"]["step"] == step and res["routing_tie"]["layer"] == layer
+    below = explain_by_routing_tie(one_step, o, tol=gap * 0.9999, max_tries=64)
+    assert below is None or not below["explained"]
