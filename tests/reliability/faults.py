@@ -333,22 +333,24 @@ def stop_mooncake_master(ctx: Ctx) -> Healed:
                   .get("pid") not in (None, pid), after=lambda: l3_serves(ctx, "stop_mooncake_master"))
 
 
+STALL_TIMEOUT_S = 5.0
+
+
 @fault("slow_transfer", "prefill-0's prefill->decode sends stall past transfer_timeout: those requests fail "
                         "cleanly (503 / SSE error), the decode side's leased pages are freed; prefill-1 keeps "
                         "serving; the stall is lifted", needs="storage.transfer")
 def slow_transfer(ctx: Ctx) -> Healed:
-    import dataclasses
     pre = ctx.handles["workers"]["prefill-0"]
 
-    def stall(seconds: float):
-        def set_delay(self):
-            self.tcfg = dataclasses.replace(self.tcfg, debug_send_delay=seconds or 0.0)
-            return self.tcfg.transfer_timeout
-        return ray.get(pre.__ray_call__.remote(set_delay), timeout=30)
+    def options(**changes) -> dict:
+        return ray.get(pre.set_transfer_options.remote(**changes), timeout=30)
 
-    timeout = stall(0.0)
+    # For the fault, prefill-0's send timeout is cut to STALL_TIMEOUT_S and every send stalls past it:
+    # the same failure as a 20 s timeout (each of its requests fails), healed in seconds, not a minute.
+    normal = options()["transfer_timeout"]
+    timeout = min(normal, STALL_TIMEOUT_S)
     delay = timeout + 2.0
-    stall(delay)
+    options(transfer_timeout=timeout, debug_send_delay=delay)
     t0 = time.monotonic()
     lifted: list[float] = []
 
@@ -357,7 +359,7 @@ def slow_transfer(ctx: Ctx) -> Healed:
         if not lifted:
             if now - t0 < timeout + 3.0:
                 return False
-            stall(0.0)
+            options(debug_send_delay=0.0, transfer_timeout=normal)
             lifted.append(now)
         return now - lifted[0] > delay + 1.0
     return Healed("transfer", check, extra={"transfer_timeout_s": timeout})
