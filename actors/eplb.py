@@ -259,8 +259,10 @@ class EplbRebalancerActor:
 
 
 def start_rebalancer(cfg: EplbConfig, workers: dict, num_layers: int, num_logical: int,
-                     detached: bool = False):
-    """Starts (or finds) the ``strata-eplb`` actor; returns its handle."""
+                     detached: bool = False, namespace: str | None = None):
+    """Starts (or finds) the ``strata-eplb`` actor in ``namespace`` (None: the caller's); returns its
+    handle. The cluster's namespace even from a Serve app builder's task, so ``strata rebalance`` finds it."""
     life = {"lifetime": "detached"} if detached else {}
-    return EplbRebalancerActor.options(name=ACTOR_NAME, num_cpus=0, get_if_exists=True, **life).remote(
+    return EplbRebalancerActor.options(name=ACTOR_NAME, namespace=namespace, num_cpus=0, get_if_exists=True,
+                                       **life).remote(
         cfg, workers, num_layers, num_logical)

@@ -142,7 +142,7 @@ def start_actors(cfg: ClusterConfig, detached: bool = False, ready_timeout: floa
         time.sleep(0.1)
     else:
         raise TimeoutError("workers did not report to the router in time")
-    eplb = (start_rebalancer(cfg.engine.eplb, workers, mc.num_hidden_layers, mc.num_local_experts, detached)
+    eplb = (start_rebalancer(cfg.engine.eplb, workers, mc.num_hidden_layers, mc.num_local_experts, detached, ns)
             if cfg.engine.eplb is not None else None)
     s = cfg.server
     return {"router": router, "workers": workers, "placement_group": pg,
@@ -165,8 +165,8 @@ def _start_storage(cfg: ClusterConfig, router, life: dict):
     hc = cfg.engine.hicache
     if hc is None or hc.l3 is None or not cfg.storage.enabled:
         return None
-    storage = StorageActor.options(name="strata-storage", num_cpus=cfg.storage.num_cpus, get_if_exists=True,
-                                   **life).remote(hc.l3, cfg.storage, router)
+    storage = StorageActor.options(name="strata-storage", namespace=cfg.ray.namespace, get_if_exists=True,
+                                   num_cpus=cfg.storage.num_cpus, **life).remote(hc.l3, cfg.storage, router)
     return storage
 
 

@@ -67,6 +67,9 @@ def test_rayservice_application_serves_health_and_models(tmp_path):
         # resource of its role.
         for wid in ("prefill-0", "decode-0"):
             assert ray.get(ray.get_actor(f"strata-{wid}", namespace=cfg.ray.namespace).ping.remote()) == wid
+        # So is the L3 storage actor (the builder runs in Serve's namespace: a redeploy must find it).
+        storage = ray.get_actor("strata-storage", namespace=cfg.ray.namespace)
+        assert ray.get(storage.status.remote(), timeout=60)
         assert ray.available_resources().get("strata_prefill", 0) == 0
         # The health check Serve runs on the ingress replica passes (it raises when /health's rule fails).
         assert serve.get_app_handle("strata").check_health.remote().result(timeout_s=60) is None

@@ -116,7 +116,10 @@ def kill_router(ctx: Ctx) -> Healed:
     def after() -> dict:   # a restarted router still maps the storage actor's evictions to page keys
         if _l3_backend(ctx) is None:
             return {}
-        model = ray.get(router.__ray_call__.remote(lambda self: self.l3_names and self.l3_names.model_id), timeout=30)
+        # (``is not None``: an empty name index is falsy, and a router restarted after the store was
+        # reset has an empty one.)
+        model = ray.get(router.__ray_call__.remote(
+            lambda self: self.l3_names.model_id if self.l3_names is not None else None), timeout=30)
         assert model, "the restarted router lost the L3 model id: it can no longer map evicted L3 pages"
         return {"router_l3_model": model}
     return Healed("router", check, after=after)

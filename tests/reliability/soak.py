@@ -113,14 +113,8 @@ def run_soak(handles: dict, reference, cfg: SoakConfig, l3_dir: str = "", load: 
                 nxt["rss"] = now + cfg.rss_every_s
             if pending and now >= next_fault:
                 name = pending.pop(0)
-                healed = FAULTS[name].inject(Ctx(handles, url, reference, l3_dir, load=ld))
-                deadline = time.monotonic() + 120
-                while not healed.check():
-                    assert time.monotonic() < deadline, f"soak: {name} did not heal in 120s"
-                    time.sleep(0.5)
-                after = healed.after() if healed.after is not None else {}
-                ev["faults"].append({"fault": name, "at": round(now, 2), "healed_s": round(time.monotonic() - now, 2),
-                                     **after})
+                ev["faults"].append({"fault": name, "at": round(now - t0, 2),
+                                     **_inject(name, Ctx(handles, url, reference, l3_dir, load=ld))})
                 next_fault = now + fault_gap
             time.sleep(0.2)
         rss_end_loaded = checks.process_info(handles)
@@ -157,6 +151,22 @@ def run_soak(handles: dict, reference, cfg: SoakConfig, l3_dir: str = "", load: 
     }
 
 
+def _inject(name: str, ctx: Ctx, bound_s: float = 120.0) -> dict:
+    """Inject fault ``name`` and wait until it healed; a fault that does not heal, or whose recovery
+    check fails, is recorded (``failed``) and the soak goes on, so the run still ends with a report."""
+    t = time.monotonic()
+    try:
+        healed = FAULTS[name].inject(ctx)
+        while not healed.check():
+            if time.monotonic() - t > bound_s:
+                return {"failed": f"did not heal in {bound_s:.0f}s"}
+            time.sleep(0.5)
+        after = healed.after() if healed.after is not None else {}
+    except AssertionError as e:
+        return {"failed": str(e), "after_s": round(time.monotonic() - t, 2)}
+    return {"healed_s": round(time.monotonic() - t, 2), **after}
+
+
 def _rss_sample(warm_at: float, now: float, info: dict) -> dict:
     return {"t_s": round(now - warm_at), **{w: round(i["rss_anon_bytes"] / MiB, 1) for w, i in info.items()}}
 
@@ -169,6 +179,9 @@ def check_report(rep: dict, cfg: SoakConfig) -> list[str]:
     if rep["wrong"]:
         brief = [{k: v for k, v in w.items() if k != "prompt"} for w in rep["wrong"][:3]]
         bad.append(f"{len(rep['wrong'])} requests got wrong tokens: {brief}")
+    failed = [f for f in rep["events"]["faults"] if "failed" in f]
+    if failed:
+        bad.append(f"{len(failed)} faults did not recover: {failed[:5]}")
     if not cfg.faults and rep["errors"]:
         bad.append(f"requests failed without any fault: {rep['errors'][:5]}")
     over = {w: g for grow in (rep["rss_growth_mib"], rep["rss_growth_phase_mib"]) for w, g in grow.items()
