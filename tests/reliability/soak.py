@@ -162,8 +162,8 @@ def _inject(name: str, ctx: Ctx, bound_s: float = 120.0) -> dict:
                 return {"failed": f"did not heal in {bound_s:.0f}s"}
             time.sleep(0.5)
         after = healed.after() if healed.after is not None else {}
-    except AssertionError as e:
-        return {"failed": str(e), "after_s": round(time.monotonic() - t, 2)}
+    except Exception as e:   # noqa: BLE001 - a failed check (AssertionError) or a call that timed out
+        return {"failed": f"{type(e).__name__}: {e}", "after_s": round(time.monotonic() - t, 2)}
     return {"healed_s": round(time.monotonic() - t, 2), **after}
 
 
