@@ -11,7 +11,7 @@ import ray
 from ray import serve
 
 from actors.http_api import ServiceUnavailable, WorkerFailed, build_app
-from actors.routing import prompt_keys
+from actors.routing import NoWorkerError, prompt_keys
 from actors.metrics import Metrics
 from engine.async_engine import StreamItem
 from engine.model.tokenizer import TextTokenizer
@@ -67,8 +67,7 @@ class RayBackend:
             try:
                 return await self.router.route.remote(keys, n, list(avoid))
             except ray.exceptions.RayTaskError as e:
-                no_worker = "no prefill worker" in str(e) or "no decode worker" in str(e)
-                if not no_worker or asyncio.get_running_loop().time() > deadline:
+                if not isinstance(e.cause, NoWorkerError) or asyncio.get_running_loop().time() > deadline:
                     raise
                 await asyncio.sleep(0.1)
 

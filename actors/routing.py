@@ -147,6 +147,11 @@ def _top(holders: dict | None, worker: str) -> str | None:
     return best
 
 
+class NoWorkerError(ValueError):
+    """No live worker of the role a request needs: transient after a router restart (workers re-report
+    every interval), so callers may wait and ask again."""
+
+
 def prompt_keys(tokens: Sequence[int], cfg: RouterConfig) -> list[bytes]:
     # The last token is always computed, so a page ending exactly at the prompt end never hits.
     usable = (len(tokens) - 1) // cfg.page_size * cfg.page_size
@@ -158,7 +163,7 @@ def route(index: PrefixIndex, keys: Sequence[bytes], prompt_len: int, loads: Map
     """The prefill worker with the lowest cost for this prompt (ties: the first in ``loads`` order).
     ``round_robin``: the ``turn``-th worker of ``loads`` (the caller counts its decisions)."""
     if not loads:
-        raise ValueError("no prefill worker is available")
+        raise NoWorkerError("no prefill worker is available")
     if cfg.policy == "round_robin":
         worker = list(loads)[turn % len(loads)]
         return worker, index.overlap(keys, worker, cfg.window_pages)
@@ -179,5 +184,5 @@ def route(index: PrefixIndex, keys: Sequence[bytes], prompt_len: int, loads: Map
 def pick_decode(loads: Mapping[str, dict]) -> str:
     """The decode worker with the most free pages per running request."""
     if not loads:
-        raise ValueError("no decode worker is available")
+        raise NoWorkerError("no decode worker is available")
     return max(loads, key=lambda w: (loads[w].get("free_pages", 0) / (1 + loads[w].get("running", 0)), -list(loads).index(w)))

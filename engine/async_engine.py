@@ -69,7 +69,8 @@ class AsyncEngine:
                     cmd = self._cmds.get(timeout=0.01 if copying else None)
             except queue.Empty:
                 cmd = None
-            if copying and not busy:
+            polled = copying and not busy
+            if polled:
                 cache.poll()
             if cmd is not None:
                 cmd()
@@ -78,8 +79,8 @@ class AsyncEngine:
                         self._cmds.get_nowait()()
                     except queue.Empty:
                         break
-            if self.debug_integrity and cmd is not None:
-                self._check(f"after a command, step {self.steps}")
+            if self.debug_integrity and (cmd is not None or polled):
+                self._check(f"after a command or finished copies, step {self.steps}")
             if self.engine.has_unfinished():
                 try:
                     outs = self.engine.step()

@@ -54,6 +54,13 @@ def verify(rec: Recorder, reference, limit: int | None = None, seed: int = 0) ->
     return {"checked": len(cands), "wrong": wrong, "near_ties": ties}
 
 
+def brief(wrong: list[dict]) -> list[dict]:
+    """Wrong answers for a failure message: what was asked and answered, where it departed, the route
+    and cache tiers; the prompt itself stays in the full report."""
+    keys = ("endpoint", "stream", "prompt_len", "got", "want", "near_ties", "routing_tie", "meta")
+    return [{k: w.get(k) for k in keys} for w in wrong]
+
+
 # Two correct computations of one sequence (alone or batched, prefix recomputed or read back from a
 # cache tier) differ in their fp32 logits by up to ~1e-4 (measured: median 1.2e-5, max 8.3e-5 over 3840
 # tokens of soak-like conversations), so at a near-tie greedy decoding may pick either token. A wrong KV

@@ -23,7 +23,7 @@ import ray
 
 from tests.reliability import checks
 from tests.reliability.faults import FAULTS, Ctx
-from tests.reliability.judge import verify
+from tests.reliability.judge import brief, verify
 from tests.reliability.workload import HUNG, OK, Load, LoadConfig
 
 MiB = 1 << 20
@@ -177,8 +177,7 @@ def check_report(rep: dict, cfg: SoakConfig) -> list[str]:
     if rep["hung"]:
         bad.append(f"{len(rep['hung'])} requests hung")
     if rep["wrong"]:
-        brief = [{k: v for k, v in w.items() if k != "prompt"} for w in rep["wrong"][:3]]
-        bad.append(f"{len(rep['wrong'])} requests got wrong tokens: {brief}")
+        bad.append(f"{len(rep['wrong'])} requests got wrong tokens: {brief(rep['wrong'])[:3]}")
     failed = [f for f in rep["events"]["faults"] if "failed" in f]
     if failed:
         bad.append(f"{len(failed)} faults did not recover: {failed[:5]}")

@@ -26,17 +26,6 @@ pytestmark = pytest.mark.slow   # the real cluster under load: `make test` runs 
 
 CFG = SoakConfig(duration_s=120.0, warmup_s=10.0, clients=4)
 
-# Top-k MoE routing near-ties (router gaps ~1e-7) flipped by batch-shape noise can make an answer depart
-# from the reference (RELIABILITY.md, "MoE routing near-ties"); the judge excuses one only when the
-# reference reproduces it with that one decision reversed (judge.explain_by_routing_tie). Any other
-# departure is wrong tokens and fails the test, with the requests' routes and cache tiers.
-def judge_wrong(wrong: list[dict], what: str) -> None:
-    if wrong:
-        brief = [{k: w.get(k) for k in ("endpoint", "stream", "prompt_len", "got", "want", "near_ties",
-                                        "routing_tie", "meta")} for w in wrong]
-        raise AssertionError(f"{what}: {len(wrong)} requests got wrong tokens: {brief[:5]}")
-
-
 ORDER = ["corrupt_l3", "kill_prefill", "kill_decode", "kill_router", "kill_ingress",
          "kill_storage", "stop_mooncake_master", "slow_transfer", "eplb_rebalance"]
 assert set(ORDER) == set(FAULTS), "every registered fault has a test"
@@ -55,10 +44,8 @@ def test_fault_under_load(rcluster, reference, load, name):
     if not f.available():
         pytest.skip(f"needs {f.needs} (not in this build)")
     ctx = Ctx(rcluster, rcluster["url"], reference, rcluster["l3_dir"])
-    res = run_under_load(ctx, name, load, recovery_bound_s=120.0, wrong_ok=True)
-    print(json.dumps({k: v for k, v in res.items() if k != "wrong"}))
+    print(json.dumps(run_under_load(ctx, name, load, recovery_bound_s=120.0)))
     checks.check_integrity(rcluster)
-    judge_wrong(res["wrong"], name)
 
 
 def test_soak_ci_two_minutes_of_mixed_load(rcluster, reference, load):
@@ -72,6 +59,6 @@ def test_soak_ci_two_minutes_of_mixed_load(rcluster, reference, load):
                                           "verified", "rss_anon_mib", "rss_growth_mib", "rss_growth_phase_mib")}))
     assert rep["load_seconds"] >= CFG.duration_s
     assert rep["events"]["flushes"] >= 2 and rep["events"]["hot_flushes"] >= 3
-    bad = [b for b in check_report(rep, CFG) if "wrong tokens" not in b]
+    # Wrong tokens included: a departure the judge does not explain (tests/reliability/judge.py) fails.
+    bad = check_report(rep, CFG)
     assert not bad, bad
-    judge_wrong(rep["wrong"], "soak")

@@ -1,7 +1,7 @@
 """The pure prefix index and route policy (no Ray)."""
 import pytest
 
-from actors.routing import L3_WORKER, PrefixIndex, RouterConfig, pick_decode, prompt_keys, route
+from actors.routing import L3_WORKER, NoWorkerError, PrefixIndex, RouterConfig, pick_decode, prompt_keys, route
 from storage.radix_node import KVEvent
 
 
@@ -60,9 +60,10 @@ def test_route_prefers_the_worker_holding_the_prefix_until_load_outweighs_it():
 
 def test_pick_decode_and_errors():
     assert pick_decode({"d0": {"free_pages": 10, "running": 4}, "d1": {"free_pages": 10, "running": 0}}) == "d1"
-    with pytest.raises(ValueError):
+    # No live worker is its own error: the ingress waits it out after a router restart.
+    with pytest.raises(NoWorkerError, match="no decode worker"):
         pick_decode({})
-    with pytest.raises(ValueError):
+    with pytest.raises(NoWorkerError, match="no prefill worker"):
         route(PrefixIndex(), KEYS, 41, {}, CFG)
     with pytest.raises(ValueError, match="l2_weight"):
         RouterConfig(l2_weight=-1)
