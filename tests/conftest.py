@@ -1,9 +1,11 @@
 import os
 import tempfile
 
-# Generated checkpoints (strata-tiny) go to a per-run home unless the caller chose one, so tests never
-# depend on, or write to, the user's cache.
-os.environ.setdefault("STRATA_HOME", os.path.join(tempfile.gettempdir(), f"strata-test-home-{os.getuid()}"))
+# Generated checkpoints (strata-tiny) and the file L3 store of the default config go to the tests' own
+# home (STRATA_TEST_HOME chooses it), never to STRATA_HOME: a user's `make run` may be serving from that
+# one while the suite runs, and the reliability tests corrupt L3 pages on purpose.
+os.environ["STRATA_HOME"] = os.environ.get("STRATA_TEST_HOME") or os.path.join(
+    tempfile.gettempdir(), f"strata-test-home-{os.getuid()}")
 
 import torch  # noqa: E402
 

@@ -1,6 +1,7 @@
 """The deployment path: `ray start --head` on 127.0.0.1, then `ray job submit` of the launch entrypoint,
-then a request over HTTP. It lives apart from tests/e2e because `ray stop` ends every Ray process on the
-machine, so it must never overlap the e2e package's cluster."""
+then a request over HTTP. The cluster it starts lives in its own --temp-dir with its own ports, and only
+the processes started under that directory are stopped afterwards: never `ray stop`, which would end
+every Ray cluster on the machine (a user's `make run` included)."""
 import os
 import shutil
 import subprocess
@@ -13,7 +14,7 @@ import httpx
 import pytest
 
 from cluster.launch import RAY_ENV
-from tests.util import free_port
+from tests.util import free_port, processes_started_under, stop_processes_started_under
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -25,11 +26,12 @@ def test_ray_job_submit_serves_a_request(tmp_path):
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, **RAY_ENV, "RAY_TMPDIR": ray_tmp}
     env.pop("RAY_ADDRESS", None)
-    gcs, dash, http = free_port(), free_port(), free_port()
+    gcs, dash, http, agent, client = free_port(), free_port(), free_port(), free_port(), free_port()
     cfg = tmp_path / "job.yaml"
     cfg.write_text((ROOT / "cluster/configs/default.yaml").read_text().replace("port: 8000", f"port: {http}"))
     subprocess.run([bin_dir / "ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
                     f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--num-cpus=8",
+                    f"--dashboard-agent-listen-port={agent}", f"--ray-client-server-port={client}",
                     "--disable-usage-stats", f"--temp-dir={ray_tmp}"], env=env, check=True, timeout=180,
                    capture_output=True)
     try:
@@ -51,5 +53,6 @@ def test_ray_job_submit_serves_a_request(tmp_path):
                 time.sleep(1)
         assert r.status_code == 200 and len(r.json()["output_ids"]) == 4
     finally:
-        subprocess.run([bin_dir / "ray", "stop", "--force"], env=env, timeout=120, capture_output=True)
+        stop_processes_started_under(ray_tmp, f"127.0.0.1:{gcs} ")
         shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert not processes_started_under(ray_tmp, f"127.0.0.1:{gcs} ")

@@ -19,6 +19,7 @@ import ray
 
 from tests.reliability.judge import brief, verify
 from tests.reliability.workload import ERROR, HUNG, Load, LoadConfig, Recorder
+from tests import numerics
 
 
 @dataclass
@@ -173,8 +174,8 @@ def corrupt_l3(ctx: Ctx) -> Healed:
         _flush(ctx.url)
     turn2 = hist + [7] * 40
     r = httpx.post(f"{ctx.url}/generate", json={**body, "input_ids": turn2}, timeout=120).json()
-    want = ctx.reference.generate([turn2], SamplingParams(max_new_tokens=4, temperature=0.0))[0].token_ids
-    assert r["output_ids"] == want, "wrong tokens after reading corrupt L3 pages"
+    want = ctx.reference.generate([turn2], SamplingParams(max_new_tokens=4, temperature=0.0, return_logits=True))[0]
+    numerics.assert_same_output(r["output_ids"], want, ctx.reference.model_config, "after reading corrupt L3 pages")
     l3_hit = r["meta_info"]["cached_tokens_by_tier"].get("L3", 0)
     assert l3_hit == 0, f"a corrupt L3 page was used ({l3_hit} tokens)"
     assert n >= len(hist) // 16, f"only {n} L3 pages were there to corrupt"
@@ -301,12 +302,12 @@ def l3_serves(ctx: Ctx, tag: str, timeout: float = 60.0) -> dict:
     while True:
         time.sleep(1.0)   # the write-through is asynchronous
         turn = turn + [9] * 24   # the next turn: its prefix is the last one, whose pages L3 should have
-        want = ctx.reference.generate([turn], SamplingParams(max_new_tokens=4, temperature=0.0))[0].token_ids
+        want = ctx.reference.generate([turn], SamplingParams(max_new_tokens=4, temperature=0.0, return_logits=True))[0]
         with ctx.load.paused():
             _flush(ctx.url)
             r = httpx.post(f"{ctx.url}/generate", json={"input_ids": turn, "sampling_params": sp}, timeout=120)
         r.raise_for_status()
-        assert r.json()["output_ids"] == want, f"{tag}: wrong tokens from L3"
+        numerics.assert_same_output(r.json()["output_ids"], want, ctx.reference.model_config, f"{tag}: from L3")
         l3 = r.json()["meta_info"]["cached_tokens_by_tier"].get("L3", 0)
         if l3 > 0:
             return {"l3_hit_tokens_after": l3, "l3_serves_again_s": round(time.monotonic() - t0, 2)}
@@ -388,8 +389,8 @@ def probe(url: str, reference, ids: list[int], n: int = 6, timeout: float = 60.0
         return False
     if r.status_code != 200:
         return False
-    want = reference.generate([ids], SamplingParams(max_new_tokens=n, temperature=0.0))[0].token_ids
-    assert r.json()["output_ids"] == want, "wrong tokens after a fault"
+    want = reference.generate([ids], SamplingParams(max_new_tokens=n, temperature=0.0, return_logits=True))[0]
+    numerics.assert_same_output(r.json()["output_ids"], want, reference.model_config, "after a fault")
     return True
 
 

@@ -8,12 +8,10 @@ from __future__ import annotations
 import dataclasses
 import random
 
-import torch
-import torch.nn.functional as F
-
 from engine import Engine, SamplingParams
-from engine.model.moe import TopKRouter
+from tests import numerics
 from tests.reliability.workload import OK, Outcome, Recorder
+from tests.routing_probe import RouterProbe
 
 
 def verify(rec: Recorder, reference, limit: int | None = None, seed: int = 0) -> dict:
@@ -62,17 +60,17 @@ def brief(wrong: list[dict]) -> list[dict]:
 
 
 # Two correct computations of one sequence (alone or batched, prefix recomputed or read back from a
-# cache tier) differ in their fp32 logits by up to ~1e-4 (measured: median 1.2e-5, max 8.3e-5 over 3840
-# tokens of soak-like conversations), so at a near-tie greedy decoding may pick either token. A wrong KV
-# page moves logits by far more than this.
-TIE_TOLERANCE = 1e-3
+# cache tier) differ in their fp32 logits by rounding noise, so at a near-tie greedy decoding may pick
+# either token. How close is a tie is the numerics policy's logit tolerance (tests/numerics.py; measured
+# noise is 1-2 orders of magnitude under it). A wrong KV page moves logits by far more than this.
 
 
-def explain_by_ties(reference, o: Outcome, tol: float = TIE_TOLERANCE, max_ties: int = 3) -> dict:
+def explain_by_ties(reference, o: Outcome, tol: float | None = None, max_ties: int = 3) -> dict:
     """Whether a greedy answer that differs from the reference's is still a correct one: at each point
-    where it departs, the reference's logit of the token the cluster chose must be within ``tol`` of its
-    top logit (a near-tie), and from there the reference, continuing the cluster's own tokens, must
-    reproduce the rest. Returns the divergence points, their margins and ``explained``."""
+    where it departs, the reference's logit of the token the cluster chose must be within ``tol`` (default:
+    the policy's logit tolerance there) of its top logit (a near-tie), and from there the reference,
+    continuing the cluster's own tokens, must reproduce the rest. Returns the divergence points, their
+    margins and ``explained``."""
     got, points = list(o.tokens), []
     start = 0   # got[:start] is already explained
     while True:
@@ -88,50 +86,33 @@ def explain_by_ties(reference, o: Outcome, tol: float = TIE_TOLERANCE, max_ties:
             return {"explained": ok, "near_ties": points}
         logits = ref.logits[k].float()
         gap = float(logits.max() - logits[tail[k]])
-        points.append({"at": start + k, "ref_token": want[k], "got_token": tail[k], "ref_margin": round(gap, 6)})
-        if gap > tol or len(points) > max_ties:
+        limit = tol if tol is not None else numerics.logit_tolerance(
+            reference.model_config, len(ctx) + k, numerics.magnitude(logits))
+        points.append({"at": start + k, "ref_token": want[k], "got_token": tail[k], "ref_margin": gap,
+                       "tolerance": limit})
+        if gap > limit or len(points) > max_ties:
             return {"explained": False, "near_ties": points}
         start += k + 1
 
 
-# Top-k MoE routing has near-ties too: a token's k-th and (k+1)-th expert logits can be 2e-7 apart, and
-# the ~1e-6 noise between batch shapes (chunked or one-step prefill, other requests in the step) then
-# picks the other expert; everything after that layer follows. Under this gap a routing decision is a tie.
-ROUTER_TIE = 1e-5
+# Top-k MoE routing has near-ties too: a token's k-th and (k+1)-th expert logits can be 1e-6 apart, and
+# the rounding noise between batch shapes (chunked or one-step prefill, other requests in the step) then
+# picks the other expert; everything after that layer follows. Under the policy's router tolerance
+# (tests/numerics.py) a routing decision is a tie.
 
 
-def explain_by_routing_tie(reference, o: Outcome, tol: float = ROUTER_TIE, max_tries: int = 4) -> dict | None:
+def explain_by_routing_tie(reference, o: Outcome, tol: float | None = None, max_tries: int = 4) -> dict | None:
     """Whether an answer that departs from the reference is the model's answer with one routing tie
     broken the other way. The prompt is prefilled in one step and decoded alone; every top-k decision
-    (layer, step, token row) whose gap between the k-th and (k+1)-th router logit is under ``tol`` is a
-    tie, in the prefill step or in a decode step. For the closest ``max_tries`` ties in turn, the two
-    experts are swapped there (nothing else) and the answer regenerated. None when there is no tie."""
+    (layer, step, token position) whose gap between the k-th and (k+1)-th router logit is within ``tol``
+    (default: the policy's router tolerance for that layer) is a tie, in the prefill step or in a decode
+    step. For the closest ``max_tries`` ties in turn, that one decision is given the other expert (nothing
+    else changes) and the answer regenerated. None when there is no tie."""
     eng = reference.__dict__.get("_one_step")
-    if eng is None:   # one-step prefill: token positions are the rows of the first step
+    if eng is None:   # one-step prefill, one request alone: a row's position is its token position
         eng = Engine(dataclasses.replace(reference.cfg, max_batch_tokens=8192, enable_prefix_cache=False,
                                          hicache=None, eplb=None))
         reference.__dict__["_one_step"] = eng
-    routers = [m for m in eng.model.modules() if isinstance(m, TopKRouter)]
-    # calls[layer] counts the router's forward calls in this generate: the step of a decision.
-    state: dict = {"flip": None, "ties": [], "calls": [0] * len(routers)}
-
-    def hooked(layer: int, router: TopKRouter):
-        def forward(x):
-            logits = F.linear(x, router.weight, router.bias)
-            k, step = router.top_k, state["calls"][layer]
-            state["calls"][layer] += 1
-            v, idx = logits.sort(-1, descending=True)
-            gaps = v[:, k - 1] - v[:, k]
-            for row in (gaps < tol).nonzero().flatten().tolist():
-                state["ties"].append((float(gaps[row]), layer, step, row))
-            if state["flip"] is not None and state["flip"][:2] == (layer, step):
-                r = state["flip"][2]
-                a, b = idx[r, k - 1], idx[r, k]
-                logits = logits.clone()
-                logits[r, a], logits[r, b] = logits[r, b].clone(), logits[r, a].clone()
-            top_v, top_i = torch.topk(logits, k, dim=-1)
-            return torch.softmax(top_v, dim=-1, dtype=top_v.dtype), top_i   # as TopKRouter.forward
-        return forward
 
     def matches(ids: list[int]) -> bool:
         if o.text is not None or o.endpoint != "/generate":
@@ -140,26 +121,23 @@ def explain_by_routing_tie(reference, o: Outcome, tol: float = ROUTER_TIE, max_t
             want, got = ids, list(o.tokens)
         return got == want if o.kind == OK else got == want[:len(got)]
 
-    def run() -> list[int]:
-        state["calls"] = [0] * len(routers)
-        sp = SamplingParams(max_new_tokens=o.max_new, temperature=0.0)
-        return eng.generate([list(o.prompt)], sp)[0].token_ids
+    def run(flip=None) -> tuple[list[int], RouterProbe]:
+        with RouterProbe(eng, flip) as probe:
+            ids = eng.generate([list(o.prompt)], SamplingParams(max_new_tokens=o.max_new, temperature=0.0))
+        return ids[0].token_ids, probe
 
-    for i, r in enumerate(routers):
-        r.forward = hooked(i, r)
-    try:
-        base = run()
-        ties = sorted(state["ties"])[:max_tries]
-        if not ties:
-            return None
-        brief = [{"gap": g, "layer": lay, "step": st, "position": row} for g, lay, st, row in ties]
-        if matches(base):   # the batched reference broke a tie, not the cluster
-            return {"explained": True, "routing_tie": {**brief[0], "broken_by": "reference"}}
-        for tie, (_, lay, st, row) in zip(brief, ties):
-            state["flip"] = (lay, st, row)
-            if matches(run()):
-                return {"explained": True, "routing_tie": tie}
-    finally:
-        for r in routers:
-            del r.forward
+    base, probe = run()
+    seq_len = len(o.prompt) + o.max_new
+    limit = [tol if tol is not None else numerics.router_tolerance(
+        eng.model_config, layer, seq_len, numerics.magnitude(probe.logits(layer)))
+        for layer in range(len(probe.routers))]
+    ties = sorted(d for d in probe.decisions if d.gap <= limit[d.layer])[:max_tries]
+    if not ties:
+        return None
+    brief = [{"gap": d.gap, "layer": d.layer, "step": d.step, "position": d.position} for d in ties]
+    if matches(base):   # the batched reference broke a tie, not the cluster
+        return {"explained": True, "routing_tie": {**brief[0], "broken_by": "reference"}}
+    for tie, d in zip(brief, ties):
+        if matches(run((d.layer, d.position))[0]):
+            return {"explained": True, "routing_tie": tie}
     return {"explained": False, "routing_tie": brief[0], "routing_ties_tried": len(brief)}

@@ -22,7 +22,9 @@ from tests.reliability import checks
 from tests.reliability.faults import FAULTS, Ctx, run_under_load
 from tests.reliability.soak import SoakConfig, check_report, run_soak, start_load
 
-pytestmark = pytest.mark.slow   # the real cluster under load: `make test` runs it, `make test-fast` does not
+# The real cluster under load: `make test` runs it, `make test-fast` does not. Its judge compares tokens
+# with an offline engine's under the numerics policy.
+pytestmark = [pytest.mark.slow, pytest.mark.numerics]
 
 CFG = SoakConfig(duration_s=120.0, warmup_s=10.0, clients=4)
 

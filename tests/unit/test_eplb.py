@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from engine.eplb import (EplbConfig, LoadWindow, Placement, _balanced_packing, _replicate, balancedness,
                          identity_placement, interval_counts, rank_loads, rebalance, rebalance_placement,
                          should_rebalance)
+from tests import numerics
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -68,7 +69,8 @@ def test_placement_is_consistent(prob):
     # Load is only moved between ranks, never lost or created.
     loads = rank_loads(w, phy2log, logcnt, R)
     assert loads.shape == (L, R)
-    torch.testing.assert_close(loads.sum(1), w.sum(1).to(torch.float64))
+    numerics.assert_close(loads.sum(1), w.sum(1).to(torch.float64), n=P, depth=2, dtype=w.dtype
+                          if w.dtype.is_floating_point else torch.float64, what="load moved between ranks")
 
 
 @FAST
@@ -130,7 +132,8 @@ def test_rebalance_beats_identity_on_skewed_loads(shape, red_per_rank, s, seed, 
     phy2log, _, logcnt = rebalance(w, ident.num_physical, G, N, R)
     after = balancedness(w, phy2log, logcnt, R)
     before = balancedness(w, ident.phy2log, ident.logcnt, R)
-    assert (after >= before - 1e-12).all(), (before, after)
+    # balancedness is a ratio in [0, 1] of sums over the slots: equal placements may round apart
+    assert (after >= before - numerics.tolerance(torch.float64, ident.num_physical, 1.0, 2)).all(), (before, after)
 
 
 @pytest.mark.parametrize("E,R,L", [(64, 8, 24), (128, 16, 24), (256, 32, 4)])

@@ -13,6 +13,7 @@ from engine.eplb import EplbConfig, rebalance
 from engine.model import moe_dispatch, moe_slots
 from engine.model.moe import MoE
 from engine.model.moe_dispatch import TorchDispatch, select_dispatch
+from tests import numerics
 
 
 def make_moe(E: int, K: int, seed: int, H: int = 32, inter: int = 24) -> MoE:
@@ -30,6 +31,7 @@ def random_phy2log(E: int, P: int, g: torch.Generator) -> torch.Tensor:
     return row[torch.randperm(P, generator=g)]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("dense", [True, False], ids=["dense", "per_slot"])
 @pytest.mark.parametrize("E,K,R,red", [(8, 2, 4, 4), (16, 4, 2, 6), (6, 1, 3, 0), (8, 3, 1, 5)])
 def test_output_is_the_logical_output_whatever_the_placement(dense, E, K, R, red):
@@ -47,10 +49,11 @@ def test_output_is_the_logical_output_whatever_the_placement(dense, E, K, R, red
         for t in (37, 1, 5):   # one token (decode) included: replicas rotate across calls
             with torch.no_grad():
                 got = slotted(x[:t])
-            if dense:   # same ops on the same rows, whichever slot holds the weights: bitwise
-                assert torch.equal(got, want[t]), (i, t, (got - want[t]).abs().max())
-            else:       # replicas split an expert's rows: BLAS may round a smaller matmul differently
-                assert torch.allclose(got, want[t], atol=1e-6, rtol=1e-6), (i, t, (got - want[t]).abs().max())
+            # Slots change the shapes of the expert matmuls (N slots instead of E experts in the dense
+            # path, an expert's rows split over replicas in the per-slot one), so BLAS may block and
+            # round them differently: equal within the policy, for sums over H then I terms and the
+            # weighted sum of the K choices.
+            numerics.assert_close(got, want[t], n=max(32, 24, K), depth=3, what=f"placement {i}, {t} tokens")
     # The routed counts per logical expert are the placement-free ones.
     assert torch.equal(slotted.expert_counts, ref.expert_counts * 5)
 
@@ -134,6 +137,7 @@ def _prompts() -> list[list[int]]:
 EPLB = EplbConfig(num_ranks=4, num_redundant_experts=4, interval_seconds=1.0)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("dense", [True, False], ids=["dense", "per_slot"])
 def test_greedy_tokens_unchanged_by_rebalances_in_the_middle_of_generations(dense, monkeypatch):
     if not dense:
@@ -163,10 +167,11 @@ def test_greedy_tokens_unchanged_by_rebalances_in_the_middle_of_generations(dens
     assert len(applied) >= 3 and sum(applied) > 0
     for w, rid in zip(want, rids):
         o = eng.pop_finished(rid)
-        assert o.token_ids == w.token_ids
-        assert all(torch.allclose(a, b, atol=1e-5, rtol=0) for a, b in zip(o.logits, w.logits))
-    # The logical counters do not see placements: both engines routed the same tokens the same way.
-    assert torch.equal(eng.expert_load(), plain.expert_load())
+        numerics.assert_same_output(o, w, eng.model_config, what=f"request {rid}")
+    # The logical counters do not see placements: every routed token counts once per choice and layer in
+    # both engines. (Per expert they match exactly in the layer test above, where the router's inputs are
+    # the same bits by construction; here a routing near-tie in a later layer may be broken either way.)
+    assert torch.equal(eng.expert_load().sum(-1), plain.expert_load().sum(-1))
     slots = eng.expert_slots()
     assert int(slots["slot_counts"].sum()) == int(eng.expert_load().sum())
     assert eng.pools.all_free()
