@@ -26,7 +26,9 @@ than these tolerances, so the policy keeps every such defect visible.
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 from typing import Sequence
 
 import torch
@@ -54,6 +56,15 @@ def tolerance(dtype: torch.dtype, n: int, scale: float, depth: int = 1) -> float
     return 2.0 * LAMBDA * unit_roundoff(dtype) * math.sqrt(n * depth) * scale
 
 
+def _record(kind: str, what: str, diff: float, tol: float) -> None:
+    """With STRATA_NUMERICS_LOG=<file>, every check appends {kind, what, diff, tol} to it: the policy's
+    headroom on this CPU, measured (how the closing notes' figures are made)."""
+    path = os.environ.get("STRATA_NUMERICS_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"kind": kind, "what": what, "diff": diff, "tol": tol}) + "\n")
+
+
 def magnitude(x: torch.Tensor) -> float:
     """The scale of a tensor: its largest |value| (0 for an empty one)."""
     return float(x.detach().abs().max()) if x.numel() else 0.0
@@ -71,6 +82,7 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, *, n: int, depth: int = 
     s = magnitude(want) if scale is None else scale
     tol = tolerance(dtype, n, s, depth)
     diff = magnitude(got.double() - want.double())
+    _record("values", what, diff, tol)
     if not diff <= tol:
         raise AssertionError(f"{what}: max |difference| {diff:.3g} > tolerance {tol:.3g} "
                              f"({dtype}, n={n}, depth={depth}, scale={s:.3g})")
@@ -101,6 +113,7 @@ def assert_logits_close(got: torch.Tensor, want: torch.Tensor, mc, seq_len: int,
     """One step's logits [V] (or several steps' [S, V]) of two computations agree within the policy."""
     tol = logit_tolerance(mc, seq_len, magnitude(want))
     diff = magnitude(got.double() - want.double())
+    _record("logits", what, diff, tol)
     if not diff <= tol:
         raise AssertionError(f"{what}: logits differ by {diff:.3g} > tolerance {tol:.3g} "
                              f"(seq_len={seq_len}, scale={magnitude(want):.3g})")
@@ -132,6 +145,8 @@ def assert_same_tokens(got: Sequence[int], want: Sequence[int], want_logits: Seq
     """``got`` is the same greedy answer as the reference ``want`` (with its per-step logits): identical,
     or departing only at a near-tie of the reference. Returns the departure (None when identical)."""
     d = departure(list(got), list(want), want_logits, mc, prompt_len)
+    if d is not None:
+        _record("departure", what, d.get("margin", math.inf), d.get("tolerance", 0.0))
     if d is not None and not d["excused"]:
         raise AssertionError(f"{what}: tokens depart from the reference: {d}; got {list(got)[:24]}, "
                              f"want {list(want)[:24]}")
@@ -189,6 +204,7 @@ def assert_same_text(got: str, want, tokenizer, mc, what: str = "") -> dict | No
     margin = float(top2[0] - top2[1])
     tol = logit_tolerance(mc, want.prompt_tokens + k, magnitude(lg))
     d = {"at": k, "margin": margin, "tolerance": tol, "excused": margin <= tol}
+    _record("departure", what, margin, tol)
     if not d["excused"]:
         raise AssertionError(f"{what}: text departs from the reference at token {k}: {d}; got {got!r}, "
                              f"want {text!r}")
