@@ -3,7 +3,7 @@ every endpoint returns, errors included: clients and schema-driven tests (schema
 each response against it, and FastAPI checks every JSON body it returns before sending it."""
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel as _PydanticModel
 from pydantic import ConfigDict
@@ -23,7 +23,8 @@ class ErrorDetail(BaseModel):
 class ErrorBody(BaseModel):
     message: str
     type: str
-    code: Optional[int] = None
+    param: Optional[str] = None
+    code: Optional[Union[int, str]] = None
     details: Optional[list[ErrorDetail]] = None
 
 
@@ -37,19 +38,40 @@ class Route(BaseModel):
     decode: Optional[str] = None
 
 
+class FinishReason(BaseModel):
+    """SGLang's: {"type": "stop", "matched": <token id or stop string>} | {"type": "length", "length": n}
+    | {"type": "abort", "message": ...}."""
+    type: str
+    matched: Optional[Union[int, str]] = None
+    length: Optional[int] = None
+    message: Optional[str] = None
+
+
+LogprobTriple = list[Optional[Union[float, int, str]]]      # SGLang's [logprob, token_id, text | null]
+
+
 class MetaInfo(BaseModel):
+    """SGLang's meta_info, on the response and on every streamed chunk (finish_reason null until the
+    last); the logprob arrays only when return_logprob asked for them."""
+    id: str
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    cached_tokens_by_tier: dict[str, int]
-    finish_reason: Optional[str] = None
+    finish_reason: Optional[FinishReason] = None
+    e2e_latency: Optional[float] = None
+    cached_tokens_by_tier: Optional[dict[str, int]] = None
     route: Optional[Route] = None
+    input_token_logprobs: Optional[list[LogprobTriple]] = None
+    output_token_logprobs: Optional[list[LogprobTriple]] = None
+    input_top_logprobs: Optional[list[Optional[list[LogprobTriple]]]] = None
+    output_top_logprobs: Optional[list[Optional[list[LogprobTriple]]]] = None
 
 
 class GenerateResponse(BaseModel):
     text: str
     output_ids: list[int]
     meta_info: MetaInfo
+    index: Optional[int] = None
 
 
 class PromptTokensDetails(BaseModel):
@@ -63,11 +85,19 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[Optional[float]]
+    top_logprobs: list[Optional[dict[str, float]]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: Optional[str] = None
-    logprobs: None = None
+    logprobs: Optional[CompletionLogprobs] = None
+    stop_reason: Optional[Union[int, str]] = None
 
 
 class CompletionResponse(BaseModel):
@@ -79,16 +109,49 @@ class CompletionResponse(BaseModel):
     usage: Usage
 
 
+class ToolCallFunction(BaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class ToolCall(BaseModel):
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: ToolCallFunction
+
+
+class StreamToolCall(ToolCall):
+    index: int
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: Optional[list[TokenLogprob]] = None
+    refusal: Optional[list[TokenLogprob]] = None
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: Optional[str] = None
+    refusal: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: Optional[str] = None
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
+    stop_reason: Optional[Union[int, str]] = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -105,6 +168,7 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
+    root: Optional[str] = None
     max_model_len: int
 
 
@@ -124,20 +188,39 @@ class FlushResult(BaseModel):
     flushed: bool
 
 
-class StreamMetaInfo(BaseModel):
-    """meta_info of a streamed /generate event: counts on every event, the rest on the last."""
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: Optional[int] = None
-    cached_tokens_by_tier: Optional[dict[str, int]] = None
-    finish_reason: Optional[str] = None
-    route: Optional[Route] = None
-
-
 class GenerateChunk(BaseModel):
+    """A streamed /generate event: the text and output ids so far, and meta_info as SGLang sends it
+    (``index`` names the prompt/sample of a batch or n > 1)."""
     text: str
     output_ids: list[int]
-    meta_info: StreamMetaInfo
+    meta_info: MetaInfo
+    index: Optional[int] = None
+
+
+class ModelInfo(BaseModel):
+    model_path: str
+    tokenizer_path: Optional[str] = None
+    is_generation: bool
+    served_model_name: str
+    max_context_length: int
+
+
+class InternalState(BaseModel):
+    last_gen_throughput: float
+    avg_spec_accept_length: Optional[float] = None
+    step_time_dict: dict[str, float]
+
+
+class ServerInfo(BaseModel):
+    """SGLang's /get_server_info: the server settings its tooling reads (page_size, the hierarchical
+    cache's), ``internal_states`` and the version."""
+    model_path: str
+    served_model_name: str
+    page_size: int
+    context_length: int
+    enable_hierarchical_cache: bool
+    internal_states: list[InternalState]
+    version: str
 
 
 class CompletionChunk(BaseModel):
@@ -150,15 +233,17 @@ class CompletionChunk(BaseModel):
 
 
 class ChatDelta(BaseModel):
-    role: Literal["assistant"]
-    content: str
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+    tool_calls: Optional[list[StreamToolCall]] = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     finish_reason: Optional[str] = None
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
+    stop_reason: Optional[Union[int, str]] = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -5,12 +5,13 @@ Ray object store by default, NIXL or Mooncake), and tokens stream back."""
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 import ray
 from ray import serve
 
-from actors.http_api import ServiceUnavailable, WorkerFailed, build_app
+from actors.frontend import ServiceUnavailable, WorkerFailed
+from actors.http_api import build_app
 from actors.routing import NoWorkerError, prompt_keys
 from actors.metrics import Metrics
 from engine.async_engine import StreamItem
@@ -18,34 +19,34 @@ from engine.model.tokenizer import TextTokenizer
 from engine.sampling import SamplingParams
 from storage.transfer import TransferError
 
+if TYPE_CHECKING:
+    from cluster.config import ClusterConfig
+
 
 class RayBackend:
     def __init__(self, router, workers: dict, model_name: str, model_path: str, vocab_size: int,
-                 max_context: int, request_timeout: float) -> None:
+                 max_context: int, request_timeout: float, settings: ClusterConfig | None = None) -> None:
         self.router, self.workers = router, workers
         self.model_name, self.vocab_size, self.max_context = model_name, vocab_size, max_context
-        self.tok = TextTokenizer(model_path)
+        self.model_path = model_path
+        self.tokenizer = TextTokenizer(model_path)
         self.timeout = request_timeout
+        self.settings = settings
         self.router_cfg = None
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids)
-
-    def chat_prompt(self, messages: list[dict]) -> str:
-        from jinja2 import Template
-        tpl = self.tok.chat_template or "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
-        return Template(tpl).render(messages=messages, add_generation_prompt=True)
-
-    async def stream(self, ids: list[int], params: SamplingParams,
-                     avoid: tuple[str, ...] = ()) -> AsyncIterator[StreamItem]:
+    async def stream(self, ids: list[int], params: SamplingParams, avoid: tuple[str, ...] = (),
+                     pin: dict | None = None) -> AsyncIterator[StreamItem]:
+        """``pin``: the route of an earlier request (the same prompt's other samples go where its KV
+        is); a pinned worker that is gone is routed around."""
         try:
             if self.router_cfg is None:
                 self.router_cfg = await self.router.config.remote()
             keys = prompt_keys(ids, self.router_cfg)   # hashed here: ingress replicas scale, the router doesn't
-            choice = await self._route(keys, len(ids), avoid)
+            if pin and pin.get("prefill") in self.workers and pin.get("decode") in (None, *self.workers) \
+                    and not {pin.get("prefill"), pin.get("decode")} & set(avoid):
+                choice = {"prefill": pin["prefill"], "decode": pin.get("decode")}
+            else:
+                choice = await self._route(keys, len(ids), avoid)
         except ray.exceptions.RayError as e:
             raise ServiceUnavailable(f"no route: {str(e).splitlines()[-1][:200]}") from None
         for w in {choice["prefill"], choice["decode"]} & set(avoid):
@@ -131,6 +132,31 @@ class RayBackend:
         finally:
             if not committed:   # fire and forget: a no-op once committed; a dead worker has no leases
                 dec.cancel.remote(dest.lease_id)
+
+    async def server_info(self) -> dict:
+        """The settings SGLang's tooling reads from /get_server_info, under SGLang's names."""
+        info = {"model_path": self.model_path, "tokenizer_path": self.model_path,
+                "served_model_name": self.model_name, "context_length": self.max_context,
+                "page_size": 0, "enable_hierarchical_cache": False}
+        cfg = self.settings
+        if cfg is None:
+            return info
+        e, hc = cfg.engine, cfg.engine.hicache
+        l3 = hc.l3 if hc is not None else None
+        info.update(page_size=e.page_size, max_total_num_tokens=e.num_pages * e.page_size,
+                    chunked_prefill_size=e.chunk_size or e.max_batch_tokens, max_prefill_tokens=e.max_batch_tokens,
+                    max_running_requests=e.max_running_requests, swa_full_tokens_ratio=e.swa_full_ratio,
+                    disable_radix_cache=not e.enable_prefix_cache, dtype=e.dtype, random_seed=e.seed,
+                    enable_hierarchical_cache=hc is not None,
+                    hicache_size=(hc.host_pages * e.page_size) if hc is not None else 0,
+                    hicache_write_policy=hc.write_policy if hc is not None else None,
+                    hicache_mem_layout=hc.layout if hc is not None else None,
+                    hicache_storage_backend=l3.backend if l3 is not None else None,
+                    hicache_storage_prefetch_policy=l3.prefetch_policy if l3 is not None else None,
+                    disaggregation_mode="pd" if cfg.workers.decode else "null",
+                    prefill_workers=cfg.workers.prefill, decode_workers=cfg.workers.decode,
+                    host=cfg.server.host, port=cfg.server.port)
+        return info
 
     async def health(self) -> dict:
         try:
@@ -234,9 +260,10 @@ def _unwrap(e: Exception) -> Exception:
 @serve.ingress()
 class Ingress:
     def __init__(self, router, workers: dict, model_name: str, model_path: str, vocab_size: int,
-                 max_context: int, request_timeout: float = 120.0, max_inflight: int = 256) -> None:
+                 max_context: int, request_timeout: float = 120.0, max_inflight: int = 256,
+                 settings: ClusterConfig | None = None) -> None:
         self.backend = RayBackend(router, workers, model_name, model_path, vocab_size, max_context,
-                                  request_timeout)
+                                  request_timeout, settings)
         self.max_inflight = max_inflight
 
     def __serve_build_asgi_app__(self):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import dataclasses
 import json
 import math
@@ -39,9 +40,11 @@ def _events(line: str) -> Optional[dict]:
 
 async def _send_generate(http: httpx.AsyncClient, url: str, conv: Conversation, cfg: WorkloadConfig,
                          rec: RequestRecord, t0: float) -> str:
-    body = {"text": conv.prompt(), "stream": True,
-            "sampling_params": {"max_new_tokens": cfg.output_length, "temperature": 0.0, "ignore_eos": True}}
-    text, last_t, last_n = "", None, 0
+    # SGLang's benchmark/hicache/bench_multiturn.py native payload, field for field.
+    body = {"text": conv.prompt(), "stream": True, "stream_options": {"include_usage": True},
+            "sampling_params": {"max_new_tokens": cfg.output_length, "temperature": 0.0, "ignore_eos": True},
+            "lora_path": "", "return_logprob": False, "logprob_start_len": -1}
+    text, last_t, last_n, first_cached = "", None, 0, None
     async with http.stream("POST", f"{url}/generate", json=body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
@@ -62,15 +65,18 @@ async def _send_generate(http: httpx.AsyncClient, url: str, conv: Conversation, 
             text = ev.get("text", text)            # cumulative in SGLang's stream format
             meta = ev.get("meta_info") or {}
             rec.prompt_tokens = meta.get("prompt_tokens", rec.prompt_tokens)
-            rec.cached_tokens = meta.get("cached_tokens", rec.cached_tokens)
+            if first_cached is None and "cached_tokens" in meta:   # SGLang's tooling reads the first chunk
+                first_cached = rec.cached_tokens = meta["cached_tokens"]
             rec.output_tokens = meta.get("completion_tokens", last_n)
     return text
 
 
 async def _send_chat(http: httpx.AsyncClient, url: str, conv: Conversation, cfg: WorkloadConfig,
-                     rec: RequestRecord, t0: float) -> str:
-    body = {"messages": conv.messages(), "stream": True, "max_tokens": cfg.output_length, "temperature": 0.0,
-            "stream_options": {"include_usage": True}}
+                     rec: RequestRecord, t0: float, model: str = "") -> str:
+    # The OpenAI client's request (as SGLang's bench_multiturn OpenAI mode and `vllm bench serve
+    # --backend openai-chat` send it): the served model's name, usage in the last chunk.
+    body = {"model": model, "messages": conv.messages(), "stream": True, "max_completion_tokens": cfg.output_length,
+            "temperature": 0.0, "stream_options": {"include_usage": True}, "ignore_eos": True}
     parts: list[str] = []
     last_t = None
     async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
@@ -189,6 +195,9 @@ async def run_workload(url: str, cfg: WorkloadConfig, progress: bool = True, lab
 
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
         before = await _scrape(http, url) if server is not None else {}
+        if cfg.api != "generate":   # as vLLM's and SGLang's clients do without --model: the served one
+            model = (await http.get(f"{url}/v1/models")).json()["data"][0]["id"]
+            send = functools.partial(_send_chat, model=model)
 
         async def one(cid: int, rnd: int) -> None:
             rec = RequestRecord(client=cid, round=rnd + 1, start=time.perf_counter() - t0)

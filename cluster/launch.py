@@ -157,7 +157,7 @@ def ingress_app(cfg: ClusterConfig, handles: dict, ingress_cls=Ingress):
     return serve.deployment(ingress_cls, name="ingress", num_replicas=1,
                             ray_actor_options={"num_cpus": s.num_cpus}).bind(
         handles["router"], handles["workers"], s.model_name, handles["model_path"], mc.vocab_size,
-        mc.max_position_embeddings, s.request_timeout, s.max_inflight)
+        mc.max_position_embeddings, s.request_timeout, s.max_inflight, cfg)
 
 
 def _start_storage(cfg: ClusterConfig, router, life: dict):

@@ -37,6 +37,9 @@ class StreamItem:
     kv_payload: KVPayload | None = None
     error: str | None = None
     route: dict = field(default_factory=dict)    # which workers served it (set by the cluster)
+    logprobs: list = field(default_factory=list)         # TokenLogprob per token of token_ids, if asked
+    prompt_logprobs: list | None = None                  # prompt-token logprobs computed since the last item
+    matched_stop: int | str | None = None                # on the last item: the stop id or string that ended it
 
 
 class AsyncEngine:
@@ -90,7 +93,7 @@ class AsyncEngine:
                 self.steps += 1
                 self.last_step_time = time.monotonic()
                 for o in outs:
-                    self._emit(o.rid, o.new_token_ids, o.finished)
+                    self._emit(o.rid, o.new_token_ids, o.finished, o)
                 if self.debug_integrity:
                     self._check(f"after step {self.steps}")
 
@@ -102,11 +105,13 @@ class AsyncEngine:
             if len(self.integrity_failures) < 20:
                 self.integrity_failures.append(f"{when}: {e}"[:2000])
 
-    def _emit(self, rid: str, toks: list[int], finished: bool) -> None:
+    def _emit(self, rid: str, toks: list[int], finished: bool, out=None) -> None:
         stream = self._streams.get(rid)
         if stream is None:
             return
         item = StreamItem(rid, toks, finished)
+        if out is not None:
+            item.logprobs, item.prompt_logprobs = list(out.logprobs), out.prompt_logprobs
         if finished:
             req = self.engine.requests[rid]
             out = self.engine.pop_finished(rid)
@@ -115,6 +120,7 @@ class AsyncEngine:
             item.cached_tokens = out.cached_tokens
             item.cached_tokens_by_tier = out.cached_tokens_by_tier
             item.kv_payload = req.kv_payload
+            item.matched_stop = out.matched_stop
             self._streams.pop(rid, None)
         loop, q = stream
         loop.call_soon_threadsafe(q.put_nowait, item)

@@ -17,7 +17,10 @@ from engine.model import moe_slots
 from engine.model.tokenizer import TextTokenizer
 from engine.request import Request, Status
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams, make_generator, sample
+from engine.grammar import GrammarTokenizer
+from engine.sampler import sample, token_logprobs
+from engine.sampling import SamplingParams, TokenLogprob, make_generator
+from engine.stopping import catch_up_first_token, row_state, stop_reason
 from engine.scheduler import Scheduler, swa_pages_bound
 from engine.disagg import KVPayload, admit_leased, check_payload, export_kv, import_kv
 from engine.prefix import PrefixCacheHooks
@@ -26,6 +29,10 @@ from storage.pools import KVPools
 from storage.transfer.base import Lease, LeaseTable, plan_pages
 
 Prompt = Union[str, Sequence[int]]
+
+
+def req_top(owners: list) -> int:
+    return max(req.params.top_logprobs for req, _ in owners)
 
 
 def model_id(model_path, mc, cfg: EngineConfig) -> str:
@@ -46,16 +53,24 @@ class GenerationOutput:
     finish_reason: str | None
     logits: list[torch.Tensor] = field(default_factory=list)
     cached_tokens_by_tier: dict[str, int] = field(default_factory=lambda: {"L1": 0, "L2": 0, "L3": 0})
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    matched_stop: int | str | None = None
 
 
 @dataclass
 class StepOutput:
-    """What one step produced for one request (for streaming)."""
+    """What one step produced for one request (for streaming). ``prompt_logprobs``: the prompt-token
+    logprobs computed since the last output (one per position from logprob_start_len on, None for
+    position 0), on the outputs of a request that asked for them."""
 
     rid: str
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    matched_stop: int | str | None = None
 
 
 class Engine:
@@ -104,6 +119,7 @@ class Engine:
         self._rid = itertools.count()
         self._rng = torch.Generator().manual_seed(cfg.seed)
         self.eos_ids = frozenset(mc.eos_token_id)
+        self._grammar_tok: GrammarTokenizer | None = None   # built on the first structured-output request
         self.max_context = mc.max_position_embeddings
         self.counters = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
 
@@ -162,6 +178,7 @@ class Engine:
             raise MemoryError("decode: running batch is full")
         make_room = self.hooks.make_room if self.hooks is not None else (lambda c, n: None)
         import_kv(req, payload, self.pools, self.window, make_room)
+        catch_up_first_token(req, self.model_config.vocab_size)
         self.requests[req.rid] = req
         self.scheduler.running.append(req)
         reason = self._stop_reason(req, payload.first_token)
@@ -206,6 +223,7 @@ class Engine:
             if fill is not None:
                 fill(self.pools, lease)
             admit_leased(req, lease.pages, lease.meta["swa_first_page"], info, self.pools, self.window)
+            catch_up_first_token(req, self.model_config.vocab_size)
         except BaseException:
             self.pools.full.allocator.free(lease.pages["full"])
             self.pools.swa.allocator.free(lease.pages["swa"])
@@ -238,10 +256,36 @@ class Engine:
         rid = rid if rid is not None else f"req-{next(self._rid)}"
         if rid in self.requests:
             raise ValueError(f"rid: {rid!r} is already in use")
+        self._check_params(params, len(ids))
         req = Request(rid, ids, params, arrival=next(self._arrival))
         if not params.greedy:
             req.generator = make_generator(params.seed, self._rng)
+        if params.grammar is not None:
+            req.matcher = self.grammar_tokenizer().matcher(params)
+        if params.logprob_start_len >= 0:
+            req.prompt_logprobs = [None] if params.logprob_start_len == 0 else []
+            req.new_prompt_logprobs = len(req.prompt_logprobs)
         return req
+
+    def _check_params(self, params: SamplingParams, prompt_len: int) -> None:
+        vocab = self.model_config.vocab_size
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            out = [t for t in ids if t >= vocab]
+            if out:
+                raise ValueError(f"{name}: token id {out[0]} is outside the vocabulary [0, {vocab})")
+        if params.logprob_start_len >= prompt_len:
+            raise ValueError(f"logprob_start_len: {params.logprob_start_len} is not a position of the "
+                             f"{prompt_len}-token prompt")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer.json in the checkpoint")
+
+    def grammar_tokenizer(self) -> GrammarTokenizer:
+        if self._grammar_tok is None:
+            if self.tokenizer is None:
+                raise ValueError("grammar: structured output needs a tokenizer.json in the checkpoint")
+            self._grammar_tok = GrammarTokenizer(self.tokenizer.to_json(), self.model_config.vocab_size,
+                                                 sorted(self.eos_ids))
+        return self._grammar_tok
 
     def abort(self, rid: str) -> bool:
         req = self.requests.get(rid)
@@ -276,7 +320,9 @@ class Engine:
             self.scheduler.after_forward()
         self.counters["steps"] += 1
         samplers = [sq for sq in seqs if sq.samples]
-        toks = sample(logits, [sq.req.params for sq in samplers], [sq.req.generator for sq in samplers])
+        self._prompt_logprobs(logits[len(samplers):])
+        logits = logits[:len(samplers)]
+        toks, lps = sample(logits, [row_state(sq.req, self.eos_ids) for sq in samplers])
         outs: list[StepOutput] = []
         for sq in seqs:
             req = sq.req
@@ -288,22 +334,40 @@ class Engine:
             if req.params.return_logits:
                 req.logits.append(logits[i].detach().cpu().clone())
             req.output_ids.append(tok)
+            if req.matcher is not None:
+                req.matcher.consume(tok)
+            if lps[i] is not None:
+                req.logprobs.append(lps[i])
             reason = self._stop_reason(req, tok)
             if req.prefill_only and len(req.output_ids) == 1:
                 req.kv_payload = export_kv(req, self.pools, self.window)
                 reason = reason or "prefill"
             if reason is not None:
                 self._finish(req, reason)
-            outs.append(StepOutput(req.rid, [tok], reason is not None, reason))
+            outs.append(self._step_output(req, [tok], [lps[i]] if lps[i] is not None else [], reason))
         return outs
 
+    def _step_output(self, req: Request, toks: list[int], lps: list, reason: str | None) -> StepOutput:
+        plp = None
+        if req.prompt_logprobs is not None and req.new_prompt_logprobs:
+            plp = req.prompt_logprobs[len(req.prompt_logprobs) - req.new_prompt_logprobs:]
+            req.new_prompt_logprobs = 0
+        return StepOutput(req.rid, toks, reason is not None, reason, lps, plp,
+                          req.matched_stop if reason is not None else None)
+
+    def _prompt_logprobs(self, rows: torch.Tensor) -> None:
+        """Logits rows [len(runner.prompt_rows), V] -> the prompt-token logprobs of their requests."""
+        owners = self.runner.prompt_rows
+        if not owners:
+            return
+        toks = [req.prompt_ids[pos] for req, pos in owners]
+        for (req, _pos), lp in zip(owners, token_logprobs(rows, toks, req_top(owners))):
+            req.prompt_logprobs.append(TokenLogprob(lp.token_id, lp.logprob, lp.top[:req.params.top_logprobs]))
+            req.new_prompt_logprobs += 1
+
     def _stop_reason(self, req: Request, tok: int) -> str | None:
-        p = req.params
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
-            return "stop"
-        if len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.max_context:
-            return "length"
-        return None
+        return stop_reason(req, tok, self.eos_ids, self.max_context,
+                           lambda ids: self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens))
 
     def pop_finished(self, rid: str) -> GenerationOutput:
         """The output of a finished request, forgetting the request."""
@@ -315,9 +379,12 @@ class Engine:
 
     def output(self, rid: str) -> GenerationOutput:
         req = self.requests[rid]
-        text = self.tokenizer.decode(req.output_ids) if self.tokenizer else ""
+        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens) \
+            if self.tokenizer else ""
         return GenerationOutput(rid, list(req.output_ids), text, len(req.prompt_ids), req.cached_tokens,
-                                req.finish_reason, list(req.logits), dict(req.cached_by_tier))
+                                req.finish_reason, list(req.logits), dict(req.cached_by_tier),
+                                list(req.logprobs), None if req.prompt_logprobs is None else list(req.prompt_logprobs),
+                                req.matched_stop)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationOutput]:

@@ -30,8 +30,12 @@ class PrefixCacheHooks(SchedulerHooks):
         return self.cache.prefetch_ready(req.prefetch, now)
 
     def _max_pages(self, req: Request) -> int:
-        # At least one token must run through the model to produce the next token's logits.
-        return (req.seq_len - 1) // self.cache.page_size
+        # At least one token must run through the model to produce the next token's logits; prompt
+        # logprobs still to compute need the logits of every position from the one before their first.
+        n = req.seq_len - 1
+        if req.prompt_logprobs is not None:
+            n = min(n, max(req.params.logprob_start_len, 1) - 1 + req.num_prompt_logprobs_done())
+        return n // self.cache.page_size
 
     def on_admit(self, req: Request) -> None:
         if req.hit is not None or req.num_computed:

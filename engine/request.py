@@ -40,6 +40,28 @@ class Request:
     prefill_only: bool = False            # stop after the first token and export the prompt KV
     kv_payload: Any = None                # the export of a prefill_only request
     generator: torch.Generator | None = None
+    matcher: Any = None                   # engine/grammar.py Matcher of a structured-output request
+    logprobs: list = field(default_factory=list)          # TokenLogprob per output token, if asked
+    prompt_logprobs: list | None = None   # TokenLogprob | None per prompt position from logprob_start_len
+    new_prompt_logprobs: int = 0          # of those, how many the next StepOutput has not carried yet
+    matched_stop: int | str | None = None
+
+    def prompt_logprob_positions(self, start: int, end: int) -> list[int]:
+        """Of the positions [start, end) run this step, those whose logits score a prompt token still
+        without its logprob (position p scores token p + 1)."""
+        lps = self.params.logprob_start_len
+        if lps < 0:
+            return []
+        first = max(lps, 1) - 1 + self.num_prompt_logprobs_done()
+        last = len(self.prompt_ids) - 2
+        return list(range(max(start, first), min(end - 1, last) + 1))
+
+    def num_prompt_logprobs_done(self) -> int:
+        """Prompt-token logprobs already computed (position 0 has none and counts as done)."""
+        lps = self.params.logprob_start_len
+        if self.prompt_logprobs is None:
+            return 0
+        return len(self.prompt_logprobs) - (1 if lps == 0 else 0)
 
     @property
     def seq_len(self) -> int:

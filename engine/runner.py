@@ -16,6 +16,9 @@ class ModelRunner:
         self.pools = pools
         self.device = device
         self.page_size = pools.cfg.page_size
+        # After each run: (request, prompt position) of the logits rows past the sampling ones, for the
+        # prompt logprobs a request asked for (the logits at position p score the token at p + 1).
+        self.prompt_rows: list = []
 
     def build_meta(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, BatchMeta]:
         ps, dev = self.page_size, self.device
@@ -29,6 +32,8 @@ class ModelRunner:
         logit_idx: list[int] = []
         segs: list[SegMeta] = []
         dec: list[tuple[int, ScheduledSeq]] = []
+        extra: list[int] = []
+        self.prompt_rows = []
         t = 0
         for sq in seqs:
             r = sq.req
@@ -47,9 +52,13 @@ class ModelRunner:
                 segs.append(SegMeta(t, t + sq.n, sq.start,
                                     torch.tensor(sq.full_pages, dtype=torch.long, device=dev),
                                     sq.swa_lo, torch.tensor(sq.swa_read_pages, dtype=torch.long, device=dev)))
+            want = r.prompt_logprob_positions(sq.start, sq.end)
+            extra += [t + p - sq.start for p in want]
+            self.prompt_rows += [(r, p + 1) for p in want]
             t += sq.n
             if sq.samples:
                 logit_idx.append(t - 1)
+        logit_idx += extra
 
         def lt(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=dev)
@@ -85,6 +94,7 @@ class ModelRunner:
                           full_valid.to(dev), swa.to(dev), swa_valid.to(dev))
 
     def run(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
-        """-> logits [number of sampling segments, vocab] fp32, in the order of ``seqs``."""
+        """-> logits [number of sampling segments + len(self.prompt_rows), vocab] fp32: the sampling
+        segments' in the order of ``seqs``, then the prompt-logprob rows."""
         ids, meta = self.build_meta(seqs)
         return self.model(ids, meta, self.pools)

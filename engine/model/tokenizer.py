@@ -29,6 +29,16 @@ def _byte_alphabet() -> list[str]:
     return out
 
 
+def _inverse_byte_alphabet() -> dict[str, int]:
+    global _INV
+    if _INV is None:
+        _INV = {ch: b for b, ch in enumerate(_byte_alphabet())}
+    return _INV
+
+
+_INV: dict[str, int] | None = None
+
+
 def build_byte_tokenizer() -> Tokenizer:
     vocab = {ch: i for i, ch in enumerate(_byte_alphabet())}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -62,6 +72,23 @@ class TextTokenizer:
         cfg_file = Path(path) / "tokenizer_config.json"
         self.config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
         self.chat_template = self.config.get("chat_template")
+        if isinstance(self.chat_template, list):   # named templates: [{"name": "default", "template": ...}]
+            named = {t.get("name"): t.get("template") for t in self.chat_template if isinstance(t, dict)}
+            self.chat_template = named.get("default") or next(iter(named.values()), None)
+        jinja_file = Path(path) / "chat_template.jinja"     # newer checkpoints ship it on its own
+        if self.chat_template is None and jinja_file.is_file():
+            self.chat_template = jinja_file.read_text()
+        # bos/eos/pad/unk as strings (tokenizer_config.json may give AddedToken dicts {"content": ...})
+        self.special_tokens = {k: (v.get("content") if isinstance(v, dict) else v)
+                               for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+                               if isinstance(v := self.config.get(k), (str, dict))}
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True, **kwargs) -> str:
+        """``messages`` through the checkpoint's chat template (engine/model/chat.py)."""
+        from engine.model.chat import render_chat
+        return render_chat(self.chat_template, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                           special=self.special_tokens, **kwargs)
 
     @property
     def vocab_size(self) -> int:
@@ -75,3 +102,27 @@ class TextTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def to_json(self) -> str:
+        """The tokenizer.json document (what llguidance builds its token trie from)."""
+        return self._tok.to_str()
+
+    def token_bytes(self, tid: int) -> bytes:
+        """The bytes a token stands for (a byte-level token that is part of a character included)."""
+        piece = self._tok.id_to_token(tid)
+        if piece is None:
+            return b""
+        if tid in self._special_ids():
+            return piece.encode()
+        inv = _inverse_byte_alphabet()
+        if all(c in inv for c in piece):   # byte-level BPE pieces (GPT-2 scheme)
+            return bytes(inv[c] for c in piece)
+        if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:   # sentencepiece byte fallback
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
+
+    def _special_ids(self) -> set[int]:
+        if not hasattr(self, "_specials"):
+            self._specials = {t.id if hasattr(t, "id") else i for i, t in self._tok.get_added_tokens_decoder().items()
+                              if t.special} if hasattr(self._tok, "get_added_tokens_decoder") else set()
+        return self._specials

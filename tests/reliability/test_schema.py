@@ -59,7 +59,8 @@ def test_the_served_schema_is_the_one_fuzzed(rcluster):
     served = httpx.get(f"{rcluster['url']}/openapi.json", timeout=60).json()
     assert served == DOC
     assert set(DOC["paths"]) == {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/models",
-                                 "/health", "/flush_cache", "/metrics"}
+                                 "/v1/models/{model_id}", "/get_model_info", "/model_info", "/get_server_info",
+                                 "/server_info", "/health", "/flush_cache", "/metrics"}
 
 
 @schema.parametrize()

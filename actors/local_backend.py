@@ -1,0 +1,53 @@
+"""A Backend over one in-process engine (engine/async_engine.py), without Ray: the whole HTTP frontend
+on a real engine in one process. The frontend's fast tests serve from it, and a single-process server
+can (``build_app(LocalBackend.from_pretrained(...))``)."""
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from engine.async_engine import AsyncEngine, StreamItem
+from engine.engine import Engine
+from engine.sampling import SamplingParams
+
+WORKER = "local"
+
+
+class LocalBackend:
+    def __init__(self, engine: Engine, model_name: str = "strata-tiny") -> None:
+        if engine.tokenizer is None:
+            raise ValueError("model: the HTTP API needs a tokenizer.json in the checkpoint")
+        self.core = AsyncEngine(engine, name="local")
+        self.model_name, self.model_path = model_name, str(engine.cfg.model)
+        self.vocab_size = engine.model_config.vocab_size
+        self.max_context = engine.max_context
+        self.tokenizer = engine.tokenizer
+
+    @classmethod
+    def from_pretrained(cls, model: str = "strata-tiny", model_name: str | None = None, **kw) -> "LocalBackend":
+        return cls(Engine.from_pretrained(model, **kw), model_name or model)
+
+    async def stream(self, ids: list[int], params: SamplingParams, avoid: tuple[str, ...] = (),
+                     pin: dict | None = None) -> AsyncIterator[StreamItem]:
+        async for item in self.core.generate(ids, params):
+            item.route = {"prefill": WORKER, "decode": None}
+            yield item
+
+    async def health(self) -> dict:
+        return {"ok": True, "workers": [WORKER]}
+
+    async def flush_cache(self) -> bool:
+        return await self.core.flush_cache()
+
+    async def gauges(self) -> dict:
+        load = self.core.load()
+        return {"strata_worker_running": load["running"], "strata_kv_pages_free": load["free_pages"]}
+
+    async def server_info(self) -> dict:
+        c = self.core.engine.cfg
+        return {"model_path": self.model_path, "served_model_name": self.model_name,
+                "context_length": self.max_context, "page_size": c.page_size,
+                "max_total_num_tokens": c.page_size * c.num_pages, "disable_radix_cache": not c.enable_prefix_cache,
+                "enable_hierarchical_cache": c.hicache is not None}
+
+    def close(self) -> None:
+        self.core.close()

@@ -1,0 +1,256 @@
+"""OpenAI's /v1/completions, /v1/chat/completions and /v1/models over the Frontend, with the sampling
+fields vLLM and SGLang add there. Chat templates render in the tokenizer room (engine/model/chat.py);
+tool calls are parsed back by engine/model/tool_calls.py."""
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import FastAPI, HTTPException
+
+from actors import logprob_format as lpf
+from actors import sampling_args as sa
+from actors.frontend import Frontend, Sample, bad
+from actors.http_models import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk,
+                                CompletionResponse, ModelCard, ModelList, errors, sse_200)
+from actors.openai_chat import ChatPlan, plan_chat
+from actors.requests import ChatRequest, CompletionRequest
+from actors.sse import event, reply, sse
+
+_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def _cached(done: list[Sample], warm_cached: int | None) -> int:
+    """The request's cache hit: its warm-up's when n > 1 (the samples then hit the warm-up's own KV),
+    else the sum over its prompts."""
+    return warm_cached if warm_cached is not None else sum(s.last.cached_tokens for s in done)
+
+
+def usage(samples: list[Sample], prompt_tokens: int, cached: int) -> dict:
+    n_out = sum(len(s.token_ids) for s in samples)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": n_out, "total_tokens": prompt_tokens + n_out,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class OpenAIAdapter:
+    def __init__(self, fe: Frontend) -> None:
+        self.fe = fe
+
+    # ---- shared -------------------------------------------------------------------------------------
+    async def _start(self, prompts: list[list[int]], params, n: int):
+        """Samples for each prompt (n each; n > 1 warms the prompt once and pins its samples to the
+        warm-up's workers). Returns (samples, pins, prompt tokens, cached tokens of the request)."""
+        samples, pins, cached = [], [], 0
+        for ids in prompts:
+            route, warm = await self.fe.warm(ids, n)
+            cached += warm.cached_tokens if warm is not None else 0
+            for s in self.fe.samples(ids, params, n, first_index=len(samples)):
+                samples.append(s)
+                pins.append(route)
+        return samples, pins, sum(len(p) for p in prompts), (cached if n > 1 else None)
+
+    def _model(self) -> str:
+        return self.fe.backend.model_name
+
+    # ---- completions --------------------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest):
+        fe = self.fe
+        fe.check_model(body.model)
+        fe.check_lora(body.lora_path)
+        prompts = self._prompts(body.prompt)
+        if body.truncate_prompt_tokens:
+            prompts = [p[-body.truncate_prompt_tokens:] for p in prompts]
+        n = sa.n_of(body)
+        max_new = min(fe.fit(ids, body.max_tokens if "max_tokens" in body.model_fields_set else None,
+                             "max_tokens", body.max_tokens or 16) for ids in prompts)
+        grammar = sa.one_grammar(response_format=sa.response_format_grammar(body.response_format),
+                                 **sa.vllm_grammars(body))
+        top_n = body.logprobs or 0
+        want_prompt_lp = (body.echo and body.logprobs is not None) or body.prompt_logprobs is not None
+        params = fe.params("request", max_new_tokens=max_new, grammar=grammar,
+                           logprobs=body.logprobs is not None, top_logprobs=max(top_n, body.prompt_logprobs or 0),
+                           logprob_start_len=0 if want_prompt_lp else -1, **sa.common_kwargs(body, fe.backend.vocab_size))
+        rid = body.request_id or f"cmpl-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        samples, pins, n_prompt, warm_cached = await self._start(prompts, params, n)
+        tok = fe.tok
+
+        def choice(s: Sample, text: str, reason) -> dict:
+            c = {"index": s.index, "text": text, "finish_reason": reason, "logprobs": None,
+                 "stop_reason": s.matched_stop if s.finished else None}
+            if body.logprobs is not None:
+                echo_p = s.prompt_logprobs if body.echo else None
+                c["logprobs"] = lpf.completion_logprobs(
+                    tok, s.logprobs, top_n, echo_p, s.prompt_ids if body.echo else (), 0,
+                    body.return_tokens_as_token_ids)
+            if body.prompt_logprobs is not None:
+                c["prompt_logprobs"] = lpf.vllm_prompt_logprobs(tok, s.prompt_ids, s.prompt_logprobs,
+                                                                body.prompt_logprobs)
+            return c
+
+        def echo(s: Sample) -> str:
+            return tok.decode(s.prompt_ids, skip_special_tokens=False) if body.echo else ""
+
+        if not body.stream:
+            done = await fe.collect_all(samples, pins)
+            cached = _cached(done, warm_cached)
+            return {"id": rid, "object": "text_completion", "created": created, "model": self._model(),
+                    "choices": [choice(s, echo(s) + s.text(tok)[0], _REASONS.get(s.finish_reason))
+                                for s in done],
+                    "usage": usage(done, n_prompt, cached)}
+        started = await fe.start_streams(samples, pins)
+        opts = body.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+
+        async def events():
+            head = {"id": rid, "object": "text_completion", "created": created, "model": self._model()}
+            echoed: set[int] = set()
+            async for s, item in fe.merged(started):
+                s.feed(item)
+                text = s.delta(tok)
+                if s.index not in echoed and body.echo:
+                    text = echo(s) + text
+                    echoed.add(s.index)
+                c = choice(s, text, _REASONS.get(s.finish_reason))
+                if c["logprobs"] is not None:   # this chunk's tokens only
+                    c["logprobs"] = lpf.completion_logprobs(tok, list(item.logprobs or ()), top_n,
+                                                            as_ids=body.return_tokens_as_token_ids)
+                chunk = {**head, "choices": [c]}
+                if continuous:
+                    chunk["usage"] = usage([s], len(s.prompt_ids), s.last.cached_tokens)
+                yield event(chunk)
+            if include_usage:
+                done = [s for s, _g, _f in started]
+                yield event({**head, "choices": [], "usage": usage(done, n_prompt, _cached(done, warm_cached))})
+        return sse(events())
+
+    def _prompts(self, prompt) -> list[list[int]]:
+        fe = self.fe
+        if isinstance(prompt, str):
+            return [fe.check_ids(fe.encode(prompt, "prompt"))]
+        if not prompt:
+            raise bad("prompt", "empty")
+        if isinstance(prompt[0], str):
+            return [fe.check_ids(fe.encode(p, f"prompt[{i}]"), f"prompt[{i}]") for i, p in enumerate(prompt)]
+        if isinstance(prompt[0], int):
+            return [fe.check_ids(list(prompt))]
+        return [fe.check_ids(list(p), f"prompt[{i}]") for i, p in enumerate(prompt)]
+
+    # ---- chat ---------------------------------------------------------------------------------------
+    async def chat(self, body: ChatRequest):
+        fe = self.fe
+        fe.check_model(body.model)
+        fe.check_lora(body.lora_path)
+        plan: ChatPlan = plan_chat(body, fe.tok)
+        ids = fe.check_ids(fe.encode(plan.prompt, "messages"), "messages")
+        if body.truncate_prompt_tokens:
+            ids = ids[-body.truncate_prompt_tokens:]
+        n = sa.n_of(body)
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_new = fe.fit(ids, getattr(body, field), field, 128)
+        top_n = body.top_logprobs or 0
+        if top_n and not body.logprobs:
+            raise bad("top_logprobs", "needs logprobs: true")
+        grammar = sa.one_grammar(response_format=sa.response_format_grammar(body.response_format),
+                                 tool_choice=plan.grammar, **sa.vllm_grammars(body))
+        params = fe.params("request", max_new_tokens=max_new, grammar=grammar, logprobs=body.logprobs,
+                           top_logprobs=top_n, **sa.common_kwargs(body, fe.backend.vocab_size))
+        rid = body.request_id or f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        samples, pins, n_prompt, warm_cached = await self._start([ids], params, n)
+        tok = fe.tok
+
+        def logprobs(s: Sample, lps) -> dict | None:
+            return lpf.chat_logprobs(tok, lps, top_n, body.return_tokens_as_token_ids) if body.logprobs else None
+
+        def reason(s: Sample, has_calls: bool):
+            r = _REASONS.get(s.finish_reason)
+            return "tool_calls" if has_calls and r == "stop" else r
+
+        if not body.stream:
+            done = await fe.collect_all(samples, pins)
+            choices = []
+            for s in done:
+                text, _ = s.text(tok)
+                content, calls = plan.parse(text)
+                msg = {"role": "assistant", "content": content if (content or not calls) else None,
+                       "refusal": None}
+                if calls:
+                    msg["tool_calls"] = calls
+                choices.append({"index": s.index, "message": msg, "logprobs": logprobs(s, s.logprobs),
+                                "finish_reason": reason(s, bool(calls)),
+                                "stop_reason": s.matched_stop})
+            return {"id": rid, "object": "chat.completion", "created": created, "model": self._model(),
+                    "choices": choices, "usage": usage(done, n_prompt, _cached(done, warm_cached))}
+        started = await fe.start_streams(samples, pins)
+        opts = body.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+
+        async def events():
+            head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self._model()}
+            streamers = {s.index: plan.streamer() for s, _g, _f in started}
+            called: set[int] = set()
+            for s, _g, _f in started:   # the role comes first, as OpenAI sends it
+                yield event({**head, "choices": [{"index": s.index, "delta": {"role": "assistant", "content": ""},
+                                                  "logprobs": None, "finish_reason": None}]})
+            async for s, item in fe.merged(started):
+                s.feed(item)
+                st = streamers[s.index]
+                content, calls = st.feed(s.delta(tok))
+                if s.finished:
+                    more_content, more_calls = st.finish()
+                    content, calls = content + more_content, calls + more_calls
+                if calls:
+                    called.add(s.index)
+                delta: dict = {}
+                if content:
+                    delta["content"] = content
+                if calls:
+                    delta["tool_calls"] = calls
+                if not delta and not s.finished and not item.logprobs:
+                    continue
+                c = {"index": s.index, "delta": delta, "logprobs": logprobs(s, list(item.logprobs or ())),
+                     "finish_reason": reason(s, s.index in called) if s.finished else None}
+                if s.finished:
+                    c["stop_reason"] = s.matched_stop
+                chunk = {**head, "choices": [c]}
+                if continuous:
+                    chunk["usage"] = usage([s], len(ids), s.last.cached_tokens)
+                yield event(chunk)
+            if include_usage:
+                done = [s for s, _g, _f in started]
+                yield event({**head, "choices": [], "usage": usage(done, n_prompt, _cached(done, warm_cached))})
+        return sse(events())
+
+    # ---- models -------------------------------------------------------------------------------------
+    def card(self) -> dict:
+        b = self.fe.backend
+        return {"id": b.model_name, "object": "model", "created": 0, "owned_by": "strata",
+                "root": b.model_name, "max_model_len": b.max_context}
+
+
+def add_openai_routes(app: FastAPI, fe: Frontend) -> None:
+    api = OpenAIAdapter(fe)
+
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses={**sse_200(CompletionChunk), **errors(400, 404, 413, 422, 503)})
+    async def completions(body: CompletionRequest):
+        return reply(await api.completions(body), body)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={**sse_200(ChatCompletionChunk), **errors(400, 404, 413, 422, 503)})
+    async def chat(body: ChatRequest):
+        return reply(await api.chat(body), body)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models():
+        return {"object": "list", "data": [api.card()]}
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=errors(404))
+    async def model(model_id: str):
+        if model_id != fe.backend.model_name:
+            raise HTTPException(404, {"message": f"The model `{model_id}` does not exist",
+                                      "code": "model_not_found", "param": "model"})
+        return api.card()

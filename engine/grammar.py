@@ -1,0 +1,89 @@
+"""Structured output: a request's grammar (JSON schema, any JSON object, regex, EBNF/GBNF or Lark) as an
+llguidance matcher that gives the allowed next tokens each step and consumes the sampled one.
+
+llguidance rather than xgrammar: it installs as one abi3 wheel with no dependencies and runs on CPU,
+while xgrammar pulls transformers and a TVM runtime into the serving process. The matcher's bitmask is
+unpacked here in torch (llguidance's own helper compiles a kernel with torch.compile on first use)."""
+from __future__ import annotations
+
+import functools
+import json
+
+import llguidance
+import llguidance.torch
+import torch
+
+from engine.sampling import SamplingParams
+
+
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+@functools.lru_cache(maxsize=256)
+def compile_grammar(kind: str, text: str) -> str:
+    """(kind, text) -> an llguidance grammar; ValueError("grammar: ...") when it is not valid."""
+    try:
+        # Compact separators rather than free whitespace: a weak model otherwise pads JSON with
+        # whitespace until it runs out of tokens (a schema's own "x-guidance" options still win).
+        if kind == "json_object":
+            g = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_OPTIONS)
+        elif kind == "json_schema":
+            json.loads(text)
+            g = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS)
+        elif kind == "regex":
+            g = llguidance.LLMatcher.grammar_from_regex(text)
+        elif kind == "ebnf":
+            g = llguidance.grammar_from("ebnf", text)
+        elif kind == "lark":
+            g = llguidance.LLMatcher.grammar_from_lark(text)
+        else:
+            raise ValueError(f"unknown kind {kind!r}")
+    except ValueError as e:
+        raise ValueError(f"grammar: invalid {kind}: {e}") from None
+    err = llguidance.LLMatcher.validate_grammar(g)
+    if err:
+        raise ValueError(f"grammar: invalid {kind}: {err.strip()[:500]}")
+    return g
+
+
+class GrammarTokenizer:
+    """The llguidance view of a checkpoint's tokenizer (built once per engine)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int]) -> None:
+        self.vocab_size = vocab_size
+        self.ll = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids) or None)
+        self.words = (vocab_size + 31) // 32
+        self._bits = torch.arange(32, dtype=torch.int32)
+
+    def matcher(self, params: SamplingParams) -> "Matcher | None":
+        if params.grammar is None:
+            return None
+        g = compile_grammar(*params.grammar)
+        m = llguidance.LLMatcher(self.ll, g, log_level=0)
+        if m.is_error():
+            raise ValueError(f"grammar: {m.get_error()[:500]}")
+        return Matcher(self, m)
+
+
+class Matcher:
+    """One request's grammar state."""
+
+    def __init__(self, tok: GrammarTokenizer, m) -> None:
+        self.tok, self.m = tok, m
+        self._buf = torch.empty(1, tok.words, dtype=torch.int32)
+
+    def allowed(self) -> torch.Tensor:
+        """The tokens allowed next: [vocab] bool."""
+        llguidance.torch.fill_next_token_bitmask(self.m, self._buf, 0)
+        bits = (self._buf[0][:, None] >> self.tok._bits) & 1
+        return bits.reshape(-1)[:self.tok.vocab_size].bool()
+
+    def consume(self, token: int) -> None:
+        """Advance past ``token``; a token the grammar did not allow is an engine bug, not user input."""
+        if not self.m.consume_token(token):
+            raise RuntimeError(f"grammar: token {token} was not allowed ({self.m.get_error()[:200]})")
+
+    @property
+    def done(self) -> bool:
+        """Nothing more can follow (the grammar is complete and allows no continuation)."""
+        return self.m.is_stopped()
