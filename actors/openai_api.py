@@ -32,6 +32,16 @@ def usage(samples: list[Sample], prompt_tokens: int, cached: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def _usage_options(opts) -> tuple[bool, bool]:
+    """stream_options -> (a usage chunk at the end, usage on every chunk)."""
+    return bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
+
+
+def _usage_event(head: dict, started: list, n_prompt: int, warm_cached: int | None) -> str:
+    done = [s for s, _g, _f in started]
+    return event({**head, "choices": [], "usage": usage(done, n_prompt, _cached(done, warm_cached))})
+
+
 class OpenAIAdapter:
     def __init__(self, fe: Frontend) -> None:
         self.fe = fe
@@ -99,9 +109,7 @@ class OpenAIAdapter:
                                 for s in done],
                     "usage": usage(done, n_prompt, cached)}
         started = await fe.start_streams(samples, pins)
-        opts = body.stream_options
-        include_usage = bool(opts and opts.include_usage)
-        continuous = bool(opts and opts.continuous_usage_stats)
+        include_usage, continuous = _usage_options(body.stream_options)
 
         async def events():
             head = {"id": rid, "object": "text_completion", "created": created, "model": self._model()}
@@ -121,8 +129,7 @@ class OpenAIAdapter:
                     chunk["usage"] = usage([s], len(s.prompt_ids), s.last.cached_tokens)
                 yield event(chunk)
             if include_usage:
-                done = [s for s, _g, _f in started]
-                yield event({**head, "choices": [], "usage": usage(done, n_prompt, _cached(done, warm_cached))})
+                yield _usage_event(head, started, n_prompt, warm_cached)
         return sse(events())
 
     def _prompts(self, prompt) -> list[list[int]]:
@@ -184,9 +191,7 @@ class OpenAIAdapter:
             return {"id": rid, "object": "chat.completion", "created": created, "model": self._model(),
                     "choices": choices, "usage": usage(done, n_prompt, _cached(done, warm_cached))}
         started = await fe.start_streams(samples, pins)
-        opts = body.stream_options
-        include_usage = bool(opts and opts.include_usage)
-        continuous = bool(opts and opts.continuous_usage_stats)
+        include_usage, continuous = _usage_options(body.stream_options)
 
         async def events():
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self._model()}
@@ -220,8 +225,7 @@ class OpenAIAdapter:
                     chunk["usage"] = usage([s], len(ids), s.last.cached_tokens)
                 yield event(chunk)
             if include_usage:
-                done = [s for s, _g, _f in started]
-                yield event({**head, "choices": [], "usage": usage(done, n_prompt, _cached(done, warm_cached))})
+                yield _usage_event(head, started, n_prompt, warm_cached)
         return sse(events())
 
     # ---- models -------------------------------------------------------------------------------------
