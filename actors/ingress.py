@@ -33,6 +33,7 @@ class RayBackend:
         self.timeout = request_timeout
         self.settings = settings
         self.router_cfg = None
+        self.geometry = None
 
     async def stream(self, ids: list[int], params: SamplingParams, avoid: tuple[str, ...] = (),
                      pin: dict | None = None) -> AsyncIterator[StreamItem]:
@@ -40,8 +41,9 @@ class RayBackend:
         is); a pinned worker that is gone is routed around."""
         try:
             if self.router_cfg is None:
-                self.router_cfg = await self.router.config.remote()
-            keys = prompt_keys(ids, self.router_cfg)   # hashed here: ingress replicas scale, the router doesn't
+                self.router_cfg, self.geometry = await self.router.config.remote(), await self.router.geometry.remote()
+            # hashed here: ingress replicas scale, the router doesn't
+            keys = prompt_keys(ids, self.geometry, self.router_cfg)
             if pin and pin.get("prefill") in self.workers and pin.get("decode") in (None, *self.workers) \
                     and not {pin.get("prefill"), pin.get("decode")} & set(avoid):
                 choice = {"prefill": pin["prefill"], "decode": pin.get("decode")}

@@ -6,12 +6,15 @@ import time
 import ray
 
 from actors.routing import L3_WORKER, PrefixIndex, RouterConfig, pick_decode, route
+from storage.geometry import KVGeometry
 
 
 @ray.remote(max_restarts=-1, max_task_retries=-1)
 class PrefixRouterActor:
-    def __init__(self, cfg: RouterConfig, stale_after: float = 10.0, l3_model: str | None = None) -> None:
+    def __init__(self, cfg: RouterConfig, geometry: KVGeometry | None = None, stale_after: float = 10.0,
+                 l3_model: str | None = None) -> None:
         self.cfg = cfg
+        self.geom = geometry or KVGeometry()   # the workers' page size and window (from the model)
         self.index = PrefixIndex()
         self.loads: dict[str, dict] = {}
         self.roles: dict[str, str] = {}
@@ -40,6 +43,9 @@ class PrefixRouterActor:
 
     def config(self) -> RouterConfig:
         return self.cfg
+
+    def geometry(self) -> KVGeometry:
+        return self.geom
 
     def report_l3(self, events: list) -> None:
         self.index.apply("L3", events)
@@ -83,7 +89,7 @@ class PrefixRouterActor:
         actor only decides. ``avoid``: workers that just failed this request (used only when no
         other worker is left)."""
         prefill = self._avoiding(self._live(("prefill", "colocated")), avoid)
-        worker, ov = route(self.index, keys, prompt_len, prefill, self.cfg, turn=self.decisions)
+        worker, ov = route(self.index, keys, prompt_len, prefill, self.cfg, self.geom, turn=self.decisions)
         decode = None
         if self.roles[worker] == "prefill":
             decode = pick_decode(self._avoiding(self._live(("decode",)), avoid))

@@ -12,6 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
+from storage.geometry import KVGeometry
 from storage.hashing import DEFAULT_SEED, page_keys
 
 L3_WORKER = "L3"
@@ -27,8 +28,6 @@ class RouterConfig:
     benchmarks: what prefix-aware routing is compared against).
     """
 
-    page_size: int = 16
-    window_pages: int = 0            # SWA pages a continuation needs (0: the model has no SWA layers)
     seed: bytes | str | int = DEFAULT_SEED
     miss_weight: float = 1.0
     l1_weight: float = 0.0
@@ -41,10 +40,6 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.policy not in ROUTE_POLICIES:
             raise ValueError(f"policy must be one of {ROUTE_POLICIES}, got {self.policy!r}")
-        if not isinstance(self.page_size, int) or self.page_size < 1:
-            raise ValueError(f"page_size must be a positive int, got {self.page_size!r}")
-        if not isinstance(self.window_pages, int) or self.window_pages < 0:
-            raise ValueError(f"window_pages must be an int >= 0, got {self.window_pages!r}")
         for name in ("miss_weight", "l1_weight", "l2_weight", "l3_weight", "load_weight", "running_weight"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v < 0:
@@ -152,24 +147,23 @@ class NoWorkerError(ValueError):
     every interval), so callers may wait and ask again."""
 
 
-def prompt_keys(tokens: Sequence[int], cfg: RouterConfig) -> list[bytes]:
-    # The last token is always computed, so a page ending exactly at the prompt end never hits.
-    usable = (len(tokens) - 1) // cfg.page_size * cfg.page_size
-    return page_keys(list(tokens[:usable]), cfg.page_size, seed=cfg.seed)
+def prompt_keys(tokens: Sequence[int], geom: KVGeometry, cfg: RouterConfig) -> list[bytes]:
+    """The page keys of the prompt's cacheable pages (the engine's hashing: same page size and seed)."""
+    return page_keys(list(tokens[:geom.cacheable_tokens(len(tokens))]), geom.page_size, seed=cfg.seed)
 
 
 def route(index: PrefixIndex, keys: Sequence[bytes], prompt_len: int, loads: Mapping[str, dict],
-          cfg: RouterConfig, turn: int = 0) -> tuple[str, Overlap]:
+          cfg: RouterConfig, geom: KVGeometry, turn: int = 0) -> tuple[str, Overlap]:
     """The prefill worker with the lowest cost for this prompt (ties: the first in ``loads`` order).
     ``round_robin``: the ``turn``-th worker of ``loads`` (the caller counts its decisions)."""
     if not loads:
         raise NoWorkerError("no prefill worker is available")
     if cfg.policy == "round_robin":
         worker = list(loads)[turn % len(loads)]
-        return worker, index.overlap(keys, worker, cfg.window_pages)
+        return worker, index.overlap(keys, worker, geom.window_pages)
     best = None
-    overlaps = index.overlap_all(keys, list(loads), cfg.window_pages)
-    ps = cfg.page_size
+    overlaps = index.overlap_all(keys, list(loads), geom.window_pages)
+    ps = geom.page_size
     for worker, load in loads.items():
         ov = overlaps[worker]
         cost = (cfg.miss_weight * (prompt_len - ov.pages * ps)

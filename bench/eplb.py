@@ -123,7 +123,7 @@ def drive(name: str, overrides: dict | None, ranks: int, redundant: int, n_req: 
     kw = dict(model=path, page_size=16, num_pages=1024, max_batch_tokens=256)
     eng = Engine(EngineConfig(**kw, eplb=ecfg))
     mc = eng.model_config
-    rb = EplbRebalancer(ecfg, mc.num_hidden_layers, mc.num_local_experts, now=0.0)
+    rb = EplbRebalancer(ecfg, len(mc.moe_layer_ids), mc.num_local_experts, now=0.0)
     sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
     prompts = skewed_prompts(n_req, seed=1)
     rids, phase, intervals, applies = [], "before", [], []

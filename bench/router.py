@@ -12,46 +12,48 @@ import time
 from actors.routing import PrefixIndex, RouterConfig, prompt_keys, route
 from bench.common import table, write_json
 from storage.radix_node import KVEvent
+from storage.geometry import KVGeometry
 
 
-def build(n_pages: int, workers: int, cfg: RouterConfig, rng: random.Random):
+def build(n_pages: int, workers: int, cfg: RouterConfig, geom: KVGeometry, rng: random.Random):
     """Conversations of 64 pages spread over the workers, with the SWA window of each conversation."""
     idx = PrefixIndex()
     convs = []
     per = 64
     for c in range(n_pages // per):
-        toks = [rng.randrange(256) for _ in range(per * cfg.page_size + 1)]
-        keys = prompt_keys(toks, cfg)
+        toks = [rng.randrange(256) for _ in range(per * geom.page_size + 1)]
+        keys = prompt_keys(toks, geom, cfg)
         w = f"p{c % workers}"
         idx.apply(w, [KVEvent("stored", "L1", "full", tuple(keys)),
-                      KVEvent("stored", "L1", "swa", tuple(keys[-cfg.window_pages:]))])
+                      KVEvent("stored", "L1", "swa", tuple(keys[-geom.window_pages:]))])
         convs.append(toks)
     return idx, convs
 
 
 def main() -> None:
-    cfg = RouterConfig(page_size=16, window_pages=4)
+    cfg = RouterConfig()
+    geom = KVGeometry(page_size=16, window=64)   # 4 window pages
     rng = random.Random(0)
     rows = []
     for n_pages in (10_000, 100_000):
         workers = 4
-        idx, convs = build(n_pages, workers, cfg, rng)
+        idx, convs = build(n_pages, workers, cfg, geom, rng)
         loads = {f"p{i}": {"queued_tokens": rng.randrange(2000), "running": rng.randrange(8)} for i in range(workers)}
         # Each request: a cached conversation plus a new turn (hashing the prompt is part of a decision).
         reqs = [c + [rng.randrange(256) for _ in range(64)] for c in rng.sample(convs, min(len(convs), 500))]
         # The router actor decides on keys the ingress hashed; hashing is timed apart (it runs on the
         # ingress replicas, in parallel).
-        keyed = [prompt_keys(r, cfg) for r in reqs]
+        keyed = [prompt_keys(r, geom, cfg) for r in reqs]
         t = time.perf_counter()
         for r in reqs:
-            prompt_keys(r, cfg)
+            prompt_keys(r, geom, cfg)
         hash_us = 1e6 * (time.perf_counter() - t) / len(reqs)
         lat = []
         t0 = time.perf_counter()
         n = 0
         while time.perf_counter() - t0 < 3.0:
             t = time.perf_counter()
-            route(idx, keyed[n % len(keyed)], len(reqs[0]), loads, cfg)
+            route(idx, keyed[n % len(keyed)], len(reqs[0]), loads, cfg, geom)
             lat.append(time.perf_counter() - t)
             n += 1
         total = time.perf_counter() - t0

@@ -31,10 +31,11 @@ import time
 import torch
 
 from bench.common import table, write_json
-from engine.disagg import KVPayload, swa_aligned_first_page
+from engine.disagg import KVPayload
+from storage.geometry import KVGeometry
 from storage.config import KVPoolConfig
 from storage.pools import KVPools
-from storage.transfer import Destination, LeaseTable, TransferConfig, make_backend, plan_pages
+from storage.transfer import Destination, LeaseTable, TransferConfig, make_backend
 
 MODELS = {
     "tiny": dict(layers=["sliding_attention", "full_attention"] * 2, kv_heads=2, head_dim=16,
@@ -54,7 +55,7 @@ def payload(m: dict, prompt_len: int) -> KVPayload:
     """Random KV shaped like an export: full [Lf, n_full, E], swa [Ls, window pages, E]."""
     pools = _pools(m, 1)
     n_full = -(-prompt_len // PAGE_SIZE)
-    first = swa_aligned_first_page(prompt_len, m["window"], PAGE_SIZE)
+    first = KVGeometry(PAGE_SIZE, m["window"]).swa_aligned_first_page(prompt_len)
     g = torch.Generator().manual_seed(prompt_len)
     full = torch.randn(len(pools.full.layer_ids), n_full, pools.full.page_elems, generator=g).to(m["dtype"])
     swa = torch.randn(len(pools.swa.layer_ids), n_full - first, pools.swa.page_elems, generator=g).to(m["dtype"])
@@ -78,7 +79,7 @@ def run(backends: list[str], models: list[str], reps: int) -> list[dict]:
             self.n = 0
 
         def reserve(self, prompt_len: int) -> Destination:
-            n_full, first, n_swa = plan_pages(prompt_len, self.m["window"], PAGE_SIZE)
+            n_full, first, n_swa = KVGeometry(PAGE_SIZE, self.m["window"]).plan_pages(prompt_len)
             self.n += 1
             lid = f"l{self.n}"
             lease = self.leases.reserve(lid, {"full": n_full, "swa": n_swa}, time.monotonic(), self.cfg.lease_seconds,

@@ -1,6 +1,6 @@
 """The ``strata`` command.
 
-    strata serve [--config YAML]       # local Ray cluster + HTTP on 127.0.0.1:8000
+    strata serve [--config YAML] [--model PATH]   # local Ray cluster + HTTP on 127.0.0.1:8000
     strata demo [--prompt TEXT ...]    # offline generation through the Engine API
     strata bench [--quick]             # engine throughput table (bench/engine.py)
     strata rebalance [--address ADDR]  # rebalance the experts of a running cluster now (EPLB)
@@ -19,6 +19,8 @@ def _serve(args: argparse.Namespace) -> int:
     from cluster import launch
 
     argv = (["--config", args.config] if args.config else []) + (["--address", args.address] if args.address else [])
+    argv += (["--model", args.model] if args.model else []) + \
+        (["--served-model-name", args.served_model_name] if args.served_model_name else [])
     return launch.main(argv)
 
 
@@ -27,9 +29,10 @@ def _demo(args: argparse.Namespace) -> int:
 
     t = time.perf_counter()
     eng = Engine.from_pretrained(args.model, page_size=16, num_pages=1024)
+    mc = eng.model_config
     print(f"strata: loaded {args.model} from {eng.model_path} in {time.perf_counter() - t:.1f}s "
-          f"({eng.model_config.num_hidden_layers} layers, window {eng.model_config.sliding_window}, "
-          f"{eng.model_config.num_local_experts} experts)")
+          f"({mc.architecture}: {mc.num_hidden_layers} layers, window {mc.window}, "
+          f"{mc.num_local_experts} experts)")
     prompts = args.prompt or list(DEMO_PROMPTS)
     t = time.perf_counter()
     outs = eng.generate(prompts, SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True))
@@ -37,17 +40,16 @@ def _demo(args: argparse.Namespace) -> int:
     for p, o in zip(prompts, outs):
         print(f"\n> {p}\n  tokens {o.token_ids}\n  text   {o.text!r}  ({o.finish_reason})")
     n = sum(len(o.token_ids) for o in outs)
-    print(f"\n{n} tokens in {dt:.2f}s. strata-tiny has random weights, so the text is noise; "
-          "the tokens are exactly those of transformers' GptOss on the same checkpoint.")
+    print(f"\n{n} tokens in {dt:.2f}s." + (" strata-tiny has random weights, so the text is noise; the tokens "
+          "are those of transformers' GptOss on the same checkpoint." if args.model == "strata-tiny" else ""))
     return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from bench import engine as bench_engine
+    """bench/ sits above the cluster room: run it as its own module rather than import it."""
+    import subprocess
 
-    sys.argv = ["bench.engine"] + (["--quick"] if args.quick else [])
-    bench_engine.main()
-    return 0
+    return subprocess.call([sys.executable, "-m", "bench.engine"] + (["--quick"] if args.quick else []))
 
 
 def _rebalance(args: argparse.Namespace) -> int:
@@ -106,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve", help="start a local Ray cluster and serve HTTP (127.0.0.1:8000 by default)")
     s.add_argument("--config", default=None, help="cluster YAML (default: cluster/configs/default.yaml)")
     s.add_argument("--address", default=None, help="an existing Ray cluster instead of a local one")
+    s.add_argument("--model", default=None, help="serve this checkpoint directory (config.json + safetensors)")
+    s.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model)")
     s.set_defaults(fn=_serve)
     d = sub.add_parser("demo", help="offline generation with the Engine API, no cluster")
     d.add_argument("--model", default="strata-tiny")

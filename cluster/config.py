@@ -138,3 +138,13 @@ def from_text(text: str) -> ClusterConfig:
     except yaml.YAMLError as e:
         raise ValueError(f"config: invalid YAML: {e}") from None
     return from_dict(data)
+
+
+def with_model(cfg: ClusterConfig, model: str, served_name: str | None = None) -> ClusterConfig:
+    """``cfg`` serving ``model`` (strata-tiny or a checkpoint directory), under ``served_name`` (default:
+    the model argument as given, as vLLM and SGLang name it)."""
+    if not model:
+        raise ValueError("--model: empty")
+    engine = dataclasses.replace(cfg.engine, model=model)
+    server = dataclasses.replace(cfg.server, model_name=served_name or model)
+    return dataclasses.replace(cfg, engine=engine, server=server)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import sys
 import time
@@ -39,9 +38,10 @@ from actors.ingress import Ingress  # noqa: E402
 from actors.router import PrefixRouterActor  # noqa: E402
 from actors.storage import StorageActor  # noqa: E402
 from actors.worker import WorkerActor  # noqa: E402
-from cluster.config import ClusterConfig, load_config  # noqa: E402
+from cluster.config import ClusterConfig, load_config, with_model  # noqa: E402
 from engine.model.config import ModelConfig  # noqa: E402
 from engine.model.loader import resolve_model_path  # noqa: E402
+from storage.geometry import KVGeometry  # noqa: E402
 from engine.engine import model_id  # noqa: E402
 
 
@@ -92,10 +92,7 @@ def start_actors(cfg: ClusterConfig, detached: bool = False, ready_timeout: floa
     on every redeploy of the same cluster."""
     path = resolve_model_path(cfg.engine.model)
     mc = ModelConfig.from_dir(path)
-    ps = cfg.engine.page_size
-    window = mc.sliding_window if mc.sliding_layers else 0
-    router_cfg = dataclasses.replace(cfg.router, page_size=ps,
-                                     window_pages=math.ceil((window - 1) / ps) if window else 0)
+    geometry = KVGeometry.from_layers(mc.layer_types, mc.sliding_window, cfg.engine.page_size)
     engine_cfg = dataclasses.replace(cfg.engine, model=str(path))
     life = {"lifetime": "detached"} if detached else {}
     # The configured namespace even when called from a task of another namespace (a Serve app builder).
@@ -103,7 +100,7 @@ def start_actors(cfg: ClusterConfig, detached: bool = False, ready_timeout: floa
     hc = engine_cfg.hicache
     l3_model = model_id(path, mc, engine_cfg) if hc is not None and hc.l3 is not None else None
     router = PrefixRouterActor.options(name="strata-router", namespace=ns, num_cpus=0.1, get_if_exists=True,
-                                       **life).remote(router_cfg, l3_model=l3_model)
+                                       **life).remote(cfg.router, geometry, l3_model=l3_model)
     storage = _start_storage(cfg, router, life)
     if storage is not None:   # workers open L3 with the storage actor's connection info
         l3 = ray.get(storage.worker_config.remote(), timeout=ready_timeout)
@@ -142,7 +139,7 @@ def start_actors(cfg: ClusterConfig, detached: bool = False, ready_timeout: floa
         time.sleep(0.1)
     else:
         raise TimeoutError("workers did not report to the router in time")
-    eplb = (start_rebalancer(cfg.engine.eplb, workers, mc.num_hidden_layers, mc.num_local_experts, detached, ns)
+    eplb = (start_rebalancer(cfg.engine.eplb, workers, len(mc.moe_layer_ids), mc.num_local_experts, detached, ns)
             if cfg.engine.eplb is not None else None)
     s = cfg.server
     return {"router": router, "workers": workers, "placement_group": pg,
@@ -193,9 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default=None, help="cluster YAML (default: the embedded default)")
     ap.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local cluster)")
     ap.add_argument("--detach", action="store_true", help="deploy detached actors and exit (ray job submit)")
+    ap.add_argument("--model", default=None, help="a checkpoint directory (or strata-tiny) instead of the YAML's")
+    ap.add_argument("--served-model-name", default=None, help="the name clients send as `model`")
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config)
+        if args.model or args.served_model_name:
+            cfg = with_model(cfg, args.model or cfg.engine.model, args.served_model_name)
+        resolve_model_path(cfg.engine.model)     # a bad path is an error here, not in every worker
     except ValueError as e:
         print(f"strata: {e}", file=sys.stderr)
         return 2

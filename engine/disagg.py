@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Request, Status
+from storage.geometry import KVGeometry
 from storage.pools import KVPools
 
 
@@ -32,29 +33,14 @@ class KVPayload:
         return self.full.numel() * self.full.element_size() + self.swa.numel() * self.swa.element_size()
 
 
-def swa_needed_first_page(prompt_len: int, window: int | None, page_size: int) -> int:
-    """First logical SWA page the first decode step reads (positions [prompt_len - W + 1, prompt_len))."""
-    if not window:
-        return 0
-    return max(0, prompt_len - window + 1) // page_size
-
-
-def swa_aligned_first_page(prompt_len: int, window: int | None, page_size: int) -> int:
-    """First page of the whole-page window before the prompt's last page boundary: exporting from here
-    lets the decode side's prefix cache reuse the sequence at its page boundaries."""
-    if not window:
-        return 0
-    return max(0, prompt_len // page_size - (-(-(window - 1) // page_size)))
-
-
-def export_kv(req: Request, pools: KVPools, window: int | None) -> KVPayload:
+def export_kv(req: Request, pools: KVPools, geom: KVGeometry) -> KVPayload:
     """Copy a request's prompt KV out of the pools (call before its pages are released)."""
-    ps = pools.cfg.page_size
+    ps, window = geom.page_size, geom.window
     n = req.num_computed
     full_idx = torch.tensor(req.full_pages[:-(-n // ps)], dtype=torch.long, device=pools.full.kv.device)
     full = pools.full.flat().index_select(1, full_idx).cpu() if pools.full.layer_ids else torch.empty(0)
-    first = swa_needed_first_page(n, window, ps)
-    aligned = swa_aligned_first_page(n, window, ps)
+    first = geom.swa_needed_first_page(n)
+    aligned = geom.swa_aligned_first_page(n)
     if window and all(a < len(req.swa_pages) and req.swa_pages[a] is not None for a in range(aligned, first)) \
             and aligned * ps >= req.swa_valid_from:
         first = aligned
@@ -66,8 +52,8 @@ def export_kv(req: Request, pools: KVPools, window: int | None) -> KVPayload:
     return KVPayload(n, req.output_ids[0], ps, full, swa, first, max(req.swa_valid_from, first * ps))
 
 
-def check_payload(p: KVPayload, pools: KVPools, window: int | None) -> None:
-    ps = pools.cfg.page_size
+def check_payload(p: KVPayload, pools: KVPools, geom: KVGeometry) -> None:
+    ps, window = geom.page_size, geom.window
     if p.page_size != ps:
         raise ValueError(f"kv payload: page_size {p.page_size} != {ps}")
     n_full = -(-p.prompt_len // ps)
@@ -75,24 +61,22 @@ def check_payload(p: KVPayload, pools: KVPools, window: int | None) -> None:
     if pools.full.layer_ids and tuple(p.full.shape) != want_full:
         raise ValueError(f"kv payload: full shape {tuple(p.full.shape)} != {want_full}")
     if window:
-        lo = swa_aligned_first_page(p.prompt_len, window, ps)
-        hi = swa_needed_first_page(p.prompt_len, window, ps)
+        lo, hi = geom.swa_aligned_first_page(p.prompt_len), geom.swa_needed_first_page(p.prompt_len)
         want = (len(pools.swa.layer_ids), n_full - p.swa_first_page, pools.swa.page_elems)
         if not lo <= p.swa_first_page <= hi or tuple(p.swa.shape) != want:
             raise ValueError(f"kv payload: swa pages {tuple(p.swa.shape)} from page {p.swa_first_page}; "
                              f"expected {want} from a page in [{lo}, {hi}]")
-        if p.swa_valid_from > max(0, p.prompt_len - window + 1):
+        if p.swa_valid_from > geom.swa_lo(p.prompt_len):
             raise ValueError(f"kv payload: swa data starts at {p.swa_valid_from}, after the window")
     if p.full.dtype != pools.full.kv.dtype:
         raise ValueError(f"kv payload: dtype {p.full.dtype} != {pools.full.kv.dtype}")
 
 
-def import_kv(req: Request, p: KVPayload, pools: KVPools, window: int | None, make_room) -> None:
+def import_kv(req: Request, p: KVPayload, pools: KVPools, geom: KVGeometry, make_room) -> None:
     """Allocate the request's pages, copy the payload in and mark the prompt computed. Raises
     MemoryError (nothing allocated) when the pools cannot take it even after ``make_room``."""
-    ps = pools.cfg.page_size
-    n_full = -(-p.prompt_len // ps)
-    n_swa = p.swa.shape[1] if window else 0
+    n_full = geom.pages(p.prompt_len)
+    n_swa = p.swa.shape[1] if geom.window else 0
     for comp, need in (("full", n_full), ("swa", n_swa)):
         alloc = pools.pool(comp).allocator
         if need and not alloc.can_alloc(need):
@@ -115,25 +99,25 @@ def import_kv(req: Request, p: KVPayload, pools: KVPools, window: int | None, ma
 
 
 def admit_leased(req: Request, pages: dict, reserved_first: int, info: dict, pools: KVPools,
-                 window: int | None) -> None:
+                 geom: KVGeometry) -> None:
     """Make a request of pages a transfer filled in place (storage/transfer): ``pages`` are a committed
     lease's {"full": [n_full], "swa": pages of logical [reserved_first, n_full)}; ``info`` the sender's
     receipt. The payload's window may start after ``reserved_first``: those leading pages are freed.
     Raises ValueError (pages untouched, still the caller's) when the receipt does not fit them."""
-    ps = pools.cfg.page_size
+    window = geom.window
     n = info["prompt_len"]
-    n_full = -(-n // ps)
+    n_full = geom.pages(n)
     first = info["swa_first_page"] if window else 0
     off = first - reserved_first
     swa = list(pages.get("swa", []))
     if len(pages["full"]) != n_full:
         raise ValueError(f"kv transfer: {len(pages['full'])} full pages leased for {n_full}")
     if window:
-        lo, hi = swa_aligned_first_page(n, window, ps), swa_needed_first_page(n, window, ps)
+        lo, hi = geom.swa_aligned_first_page(n), geom.swa_needed_first_page(n)
         if not (lo <= first <= hi and 0 <= off <= len(swa) and len(swa) - off == n_full - first):
             raise ValueError(f"kv transfer: SWA window from page {first} does not fit the lease "
                              f"({len(swa)} pages from {reserved_first})")
-        if info["swa_valid_from"] > max(0, n - window + 1):
+        if info["swa_valid_from"] > geom.swa_lo(n):
             raise ValueError(f"kv transfer: swa data starts at {info['swa_valid_from']}, after the window")
         if off:
             pools.swa.allocator.free(swa[:off])

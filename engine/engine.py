@@ -21,12 +21,13 @@ from engine.grammar import GrammarTokenizer
 from engine.sampler import sample, token_logprobs
 from engine.sampling import SamplingParams, TokenLogprob, make_generator
 from engine.stopping import catch_up_first_token, row_state, stop_reason
-from engine.scheduler import Scheduler, swa_pages_bound
+from engine.scheduler import Scheduler
 from engine.disagg import KVPayload, admit_leased, check_payload, export_kv, import_kv
 from engine.prefix import PrefixCacheHooks
 from storage.hicache import HiCache
 from storage.pools import KVPools
-from storage.transfer.base import Lease, LeaseTable, plan_pages
+from storage.geometry import KVGeometry
+from storage.transfer.base import Lease, LeaseTable
 
 Prompt = Union[str, Sequence[int]]
 
@@ -85,7 +86,9 @@ class Engine:
         self.model_path = path
         self.model_config, self.model = load_model(path, cfg.torch_dtype, self.device)
         mc = self.model_config
-        self.moe_layers = [layer.mlp for layer in self.model.model.layers]
+        self.moe_layers = self.model.moe_layers
+        if cfg.eplb is not None and not self.moe_layers:
+            raise ValueError(f"eplb: {mc.architecture} at {path} has no MoE layers; set eplb to null")
         if cfg.eplb is not None:
             moe_slots.enable_slots(self.moe_layers, cfg.eplb.num_ranks, cfg.eplb.num_redundant_experts,
                                    select_dispatch(cfg.eplb.dispatch, local_ranks=cfg.eplb.num_ranks))
@@ -95,9 +98,9 @@ class Engine:
             self.tokenizer = None
         self.pools = KVPools(cfg.pool, mc.layer_types, mc.num_key_value_heads, mc.head_dim,
                              cfg.torch_dtype, self.device, poison=cfg.poison_kv)
-        window = mc.sliding_window if mc.sliding_layers else None
-        self.window = window
-        need = swa_pages_bound(window, cfg.page_size) if window is not None else 0
+        self.geometry = KVGeometry.from_layers(mc.layer_types, mc.sliding_window, cfg.page_size)
+        window = self.window = self.geometry.window
+        need = self.geometry.swa_pages_bound
         if self.pools.swa.num_pages < need:
             raise ValueError(f"swa_full_ratio: the SWA pool ({self.pools.swa.num_pages} pages) cannot hold one "
                              f"window ({need} pages of {cfg.page_size})")
@@ -105,10 +108,10 @@ class Engine:
         self.cache: HiCache | None = None
         self.hooks: PrefixCacheHooks | None = None
         if cfg.enable_prefix_cache:
-            self.cache = HiCache(self.pools, window, cfg.hicache, model_id=self.model_id())
+            self.cache = HiCache(self.pools, self.geometry, cfg.hicache, model_id=self.model_id())
             self.hooks = PrefixCacheHooks(self.cache, self.pools, lambda: self._now)
-        self.scheduler = Scheduler(cfg.page_size, self.pools.full.allocator,
-                                   self.pools.swa.allocator if window is not None else None, window,
+        self.scheduler = Scheduler(self.geometry, self.pools.full.allocator,
+                                   self.pools.swa.allocator if window is not None else None,
                                    cfg.max_batch_tokens, cfg.max_running_requests, cfg.effective_chunk_size,
                                    hooks=self.hooks, swa_page_aligned=self.cache is not None)
         self.runner = ModelRunner(self.model, self.pools, self.device)
@@ -173,11 +176,11 @@ class Engine:
             raise ValueError(f"kv payload: covers {payload.prompt_len} tokens, prompt has {len(req.prompt_ids)}")
         if not 0 <= payload.first_token < self.model_config.vocab_size:
             raise ValueError(f"kv payload: first token {payload.first_token} outside the vocabulary")
-        check_payload(payload, self.pools, self.window)
+        check_payload(payload, self.pools, self.geometry)
         if len(self.scheduler.running) >= self.cfg.max_running_requests:
             raise MemoryError("decode: running batch is full")
         make_room = self.hooks.make_room if self.hooks is not None else (lambda c, n: None)
-        import_kv(req, payload, self.pools, self.window, make_room)
+        import_kv(req, payload, self.pools, self.geometry, make_room)
         catch_up_first_token(req, self.model_config.vocab_size)
         self.requests[req.rid] = req
         self.scheduler.running.append(req)
@@ -192,7 +195,7 @@ class Engine:
         even after evicting cached pages (nothing is held then)."""
         if not isinstance(prompt_len, int) or not 0 < prompt_len < self.max_context:
             raise ValueError(f"prompt_len: must be in [1, {self.max_context}), got {prompt_len!r}")
-        n_full, first, n_swa = plan_pages(prompt_len, self.window, self.cfg.page_size)
+        n_full, first, n_swa = self.geometry.plan_pages(prompt_len)
         if len(self.scheduler.running) + len(self.leases.leases) >= self.cfg.max_running_requests:
             raise MemoryError("decode: running batch is full")
         need = {"full": n_full, "swa": n_swa}
@@ -222,7 +225,7 @@ class Engine:
         try:
             if fill is not None:
                 fill(self.pools, lease)
-            admit_leased(req, lease.pages, lease.meta["swa_first_page"], info, self.pools, self.window)
+            admit_leased(req, lease.pages, lease.meta["swa_first_page"], info, self.pools, self.geometry)
             catch_up_first_token(req, self.model_config.vocab_size)
         except BaseException:
             self.pools.full.allocator.free(lease.pages["full"])
@@ -340,7 +343,7 @@ class Engine:
                 req.logprobs.append(lps[i])
             reason = self._stop_reason(req, tok)
             if req.prefill_only and len(req.output_ids) == 1:
-                req.kv_payload = export_kv(req, self.pools, self.window)
+                req.kv_payload = export_kv(req, self.pools, self.geometry)
                 reason = reason or "prefill"
             if reason is not None:
                 self._finish(req, reason)

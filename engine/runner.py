@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 
 from engine.model.attention import BatchMeta, DecodeMeta, SegMeta
-from engine.model.gpt_oss import GptOssForCausalLM
+from engine.model.decoder import CausalLM
 from engine.scheduler import ScheduledSeq
 from storage.pools import KVPools
 
 
 class ModelRunner:
-    def __init__(self, model: GptOssForCausalLM, pools: KVPools, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, pools: KVPools, device: torch.device) -> None:
         self.model = model
         self.pools = pools
         self.device = device

@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.request import Request, Status
+from storage.geometry import KVGeometry
 from storage.pools import PageAllocator
 
 
@@ -39,16 +40,6 @@ class ScheduledSeq:
         return self.end == self.req.seq_len
 
 
-def swa_window_pages(window: int, page_size: int) -> int:
-    """Whole pages whose SWA data a continuation at a page boundary reads ([p - W + 1, p))."""
-    return -(-(window - 1) // page_size)
-
-
-def swa_pages_bound(window: int, page_size: int) -> int:
-    """Most SWA pages one request ever holds (unaligned or page-aligned retention alike)."""
-    return swa_window_pages(window, page_size) + 1
-
-
 class SchedulerHooks:
     """What the prefix cache plugs into the scheduler; the defaults are "no cache"."""
 
@@ -67,13 +58,14 @@ class SchedulerHooks:
 
 
 class Scheduler:
-    def __init__(self, page_size: int, full: PageAllocator, swa: PageAllocator | None, window: int | None,
+    def __init__(self, geom: KVGeometry, full: PageAllocator, swa: PageAllocator | None,
                  max_batch_tokens: int, max_running: int, chunk_size: int,
                  hooks: SchedulerHooks | None = None, swa_page_aligned: bool = False) -> None:
-        self.ps = page_size
+        self.geom = geom
+        self.ps = geom.page_size
         self.full = full
-        self.swa = swa if window is not None else None
-        self.window = window
+        self.swa = swa if geom.has_swa else None
+        self.window = geom.window
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.chunk_size = chunk_size
@@ -181,8 +173,7 @@ class Scheduler:
         new_logical: list[int] = []
         swa_lo = s
         if self.swa is not None:
-            w = self.window
-            swa_lo = max(0, s - w + 1)
+            swa_lo = self.geom.swa_lo(s)
             keep_from = self._swa_keep_from(e)
             first_write = max(s, keep_from)
             if first_write < e:
@@ -231,8 +222,8 @@ class Scheduler:
         keeps whole pages: the window before the last page boundary, so the cache can reuse the
         sequence there, and every page it holds is written from its first position."""
         if self.swa_page_aligned:
-            return max(0, (e // self.ps - swa_window_pages(self.window, self.ps)) * self.ps)
-        return max(0, e - self.window + 1)
+            return max(0, (e // self.ps - self.geom.window_pages) * self.ps)
+        return self.geom.swa_lo(e)
 
     def check_integrity(self, extra_owners: dict[str, dict[str, list[int]]] | None = None) -> None:
         extra_owners = extra_owners or {}
@@ -242,7 +233,7 @@ class Scheduler:
             owners_swa = {r.rid: r.owned_swa_pages() for r in self.running}
             owners_swa["retired this step"] = self._retired
             self.swa.check_integrity({**owners_swa, **extra_owners.get("swa", {})})
-            bound = swa_pages_bound(self.window, self.ps)
+            bound = self.geom.swa_pages_bound
             for r in self.running:
                 if len(r.owned_swa_pages()) > bound:
                     raise AssertionError(f"{r.rid} holds {len(r.owned_swa_pages())} SWA pages > bound {bound}")

@@ -20,7 +20,6 @@ background while the request waits, ``prefetch_ready`` applies the prefetch poli
 from __future__ import annotations
 
 import atexit
-import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -32,6 +31,7 @@ from storage.pools import COMPONENTS, FULL, SWA, KVPools
 from storage.radix import Freed, Node, RadixTree
 from storage.radix_node import L1, L2, L3
 from storage.copier import Copier, Job, LayerFuture
+from storage.geometry import KVGeometry
 from storage.hashing import DEFAULT_SEED
 
 
@@ -48,21 +48,17 @@ class PrefixHit:
     waits: list[LayerFuture] = field(default_factory=list)  # loads to wait for, layer by layer
 
 
-def window_pages(window_tokens: Optional[int], page_size: int) -> int:
-    """Pages whose SWA data a request continuing at a page boundary reads (positions [p - W + 1, p))."""
-    if not window_tokens:
-        return 0
-    return math.ceil((window_tokens - 1) / page_size)
-
-
 class HiCache:
-    def __init__(self, pools: KVPools, window_tokens: Optional[int], cfg: Optional[HiCacheConfig] = None,
+    def __init__(self, pools: KVPools, geom: KVGeometry, cfg: Optional[HiCacheConfig] = None,
                  seed=DEFAULT_SEED, model_id: str = "model") -> None:
         self.pools = pools
         self.cfg = cfg
         self.page_size = pools.cfg.page_size
-        self.has_swa = bool(pools.swa.layer_ids) and bool(window_tokens)
-        self.tree = RadixTree(self.page_size, window_pages(window_tokens, self.page_size) if self.has_swa else 0,
+        if geom.page_size != self.page_size:
+            raise ValueError(f"hicache: geometry page_size {geom.page_size} != the pools' {self.page_size}")
+        self.geom = geom
+        self.has_swa = bool(pools.swa.layer_ids) and geom.has_swa
+        self.tree = RadixTree(self.page_size, geom.window_pages if self.has_swa else 0,
                               seed=seed)
         self.host = HostPools(pools, cfg) if cfg is not None else None
         self.copier = Copier() if cfg is not None else None

@@ -1,4 +1,5 @@
-"""Attention over paged KV, with per-head sinks and the sliding window.
+"""Attention over paged KV, with the sliding window, and per-head sinks where the model has them
+(GPT-OSS).
 
 A forward pass runs a flattened batch of T tokens made of segments, one per request: a prefill chunk
 (many tokens) or a decode step (one token). ``BatchMeta`` says where each segment's keys live:
@@ -60,9 +61,19 @@ class BatchMeta:
     waits: list = field(default_factory=list)  # LayerFutures of loads into L1 still under way
 
 
+def _softmax(s: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of scores s [..., m]; a sink [..., 1] joins the normalisation as one
+    more logit that attends to nothing."""
+    if sink is None:
+        return torch.softmax(s, dim=-1)
+    logits = torch.cat([s, sink.to(s.dtype)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    return torch.softmax(logits, dim=-1)[..., :-1]
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,
-            sinks: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
-    """q [n, Hq, D], k/v [m, Hkv, D], qpos [n], kpos [m], sinks [Hq] -> [n, Hq * D]."""
+            sinks: torch.Tensor | None, scale: float, window: int | None) -> torch.Tensor:
+    """q [n, Hq, D], k/v [m, Hkv, D], qpos [n], kpos [m], sinks [Hq] or None -> [n, Hq * D]."""
     n, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -72,25 +83,20 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tenso
     if window is not None:
         allowed &= kpos[None, :] > qpos[:, None] - window
     s = s.masked_fill(~allowed, float("-inf"))
-    sink = sinks.reshape(hkv, g, 1, 1).to(s.dtype).expand(hkv, g, n, 1)
-    logits = torch.cat([s, sink], dim=-1)
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    p = torch.softmax(logits, dim=-1)[..., :-1].to(v.dtype)
+    p = _softmax(s, None if sinks is None else sinks.reshape(hkv, g, 1, 1).expand(hkv, g, n, 1)).to(v.dtype)
     o = torch.matmul(p, v.permute(1, 0, 2).unsqueeze(1))           # [Hkv, G, n, D]
     return o.permute(2, 0, 1, 3).reshape(n, hq * d)
 
 
 def _attend_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
-                    sinks: torch.Tensor, scale: float) -> torch.Tensor:
+                    sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
     """One query per row. q [B, Hq, D], k/v [B, M, Hkv, D], valid [B, M] -> [B, Hq * D]."""
     b, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
     s = torch.einsum("bhgd,bmhd->bhgm", q.reshape(b, hkv, g, d), k) * scale
     s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
-    logits = torch.cat([s, sinks.reshape(1, hkv, g, 1).to(s.dtype).expand(b, hkv, g, 1)], dim=-1)
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    p = torch.softmax(logits, dim=-1)[..., :-1].to(v.dtype)
+    p = _softmax(s, None if sinks is None else sinks.reshape(1, hkv, g, 1).expand(b, hkv, g, 1)).to(v.dtype)
     return torch.einsum("bhgm,bmhd->bhgd", p, v).reshape(b, hq * d)
 
 
@@ -103,7 +109,7 @@ def _gather_pages(pool: KVPool, layer: int, pages: torch.Tensor, dtype: torch.dt
 
 
 def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta,
-                    pool: KVPool, sinks: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+                    pool: KVPool, sinks: torch.Tensor | None, scale: float, window: int | None) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] (already rotated) -> [T, Hq * D]."""
     for fut in meta.waits:  # this layer's cached pages may still be arriving from L2
         fut.wait_layer(pool.name, pool.layer_slot[layer])

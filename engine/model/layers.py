@@ -1,4 +1,5 @@
-"""Small building blocks of the GPT-OSS architecture: RMSNorm and RoPE (default and YaRN)."""
+"""Small building blocks of the decoders: RMSNorm (plain, or Gemma's ``1 + weight``) and RoPE (default,
+YaRN, linear and Llama 3 scaling)."""
 from __future__ import annotations
 
 import math
@@ -10,17 +11,18 @@ from engine.model.config import RopeConfig
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.offset = offset    # Gemma stores w and scales by (1 + w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 whatever the activation dtype: bf16 variance loses too much.
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.to(torch.float32) * h).to(dtype)
+        return ((self.weight.to(torch.float32) + self.offset) * h).to(dtype)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -29,6 +31,10 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]
     pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     if rope.rope_type == "default":
         return 1.0 / pos_freqs, 1.0
+    if rope.rope_type == "linear":
+        return 1.0 / (pos_freqs * rope.factor), 1.0
+    if rope.rope_type == "llama3":
+        return _llama3_inv_freq(1.0 / pos_freqs, rope), 1.0
     factor = rope.factor
     att = rope.attention_factor
     if att is None:
@@ -51,8 +57,22 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]
     return inv_freq, float(att)
 
 
+def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    """Llama 3.1: wavelengths longer than the original context / low_freq_factor are slowed by
+    ``factor``, shorter than context / high_freq_factor kept, and the band between interpolated."""
+    ctx = rope.original_max_position_embeddings
+    low_wavelen, high_wavelen = ctx / rope.low_freq_factor, ctx / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (ctx / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
 class Rotary(nn.Module):
-    """cos/sin tables by position; rotation of the two halves of each head (GPT-OSS convention)."""
+    """cos/sin tables by position; rotation of the two halves of each head (the transformers convention
+    of every supported family)."""
 
     def __init__(self, rope: RopeConfig, head_dim: int) -> None:
         super().__init__()

@@ -2,6 +2,7 @@
 seeded ``strata-tiny`` model on first use, so nothing is ever downloaded."""
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -11,7 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.model.config import FULL_ATTN, SLIDING, ModelConfig, RopeConfig
-from engine.model.gpt_oss import GptOssForCausalLM
+from engine.model.convert import to_strata
+from engine.model.decoder import CausalLM
+from engine.model.registry import build_model
 from engine.model.tokenizer import write_byte_tokenizer
 
 TINY_NAME = "strata-tiny"
@@ -40,7 +43,7 @@ def random_state_dict(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Seeded random weights, scaled so attention is far from uniform and logits have clear winners
     (greedy decoding of a random model is then robust to float rounding)."""
     g = torch.Generator().manual_seed(seed)
-    model = GptOssForCausalLM(cfg)
+    model = build_model(cfg)
     sd = {}
     for name, p in model.state_dict().items():
         if name.endswith("norm.weight"):
@@ -126,24 +129,38 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def load_model(path: Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> tuple[ModelConfig, GptOssForCausalLM]:
+def generation_eos(path: Path) -> tuple[int, ...]:
+    """eos ids from generation_config.json (they often add to config.json's: Llama 3's <|eot_id|>)."""
+    p = path / "generation_config.json"
+    if not p.is_file():
+        return ()
+    try:
+        eos = json.loads(p.read_text()).get("eos_token_id")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"model: {p} is not valid JSON ({e})") from None
+    return () if eos is None else (tuple(eos) if isinstance(eos, list) else (int(eos),))
+
+
+def load_config(path: Path) -> ModelConfig:
+    """config.json, with generation_config.json's eos ids joined to its own."""
     cfg = ModelConfig.from_dir(path)
-    sd = load_state_dict(path)
-    if cfg.tie_word_embeddings and "lm_head.weight" not in sd:
-        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-    if any(k.endswith(("_blocks", "_scales")) for k in sd):
-        raise ValueError("model: MXFP4-quantized experts are not supported yet; dequantize to bf16 first")
-    model = GptOssForCausalLM(cfg)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"model: checkpoint does not match the GPT-OSS layout "
-                         f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    extra = tuple(e for e in generation_eos(path) if e not in cfg.eos_token_id)
+    return dataclasses.replace(cfg, eos_token_id=cfg.eos_token_id + extra) if extra else cfg
+
+
+def load_model(path: Path, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> tuple[ModelConfig, CausalLM]:
+    cfg = load_config(path)
+    model = build_model(cfg)
+    sd = to_strata(load_state_dict(path), cfg, model.state_dict(), dtype)
+    model.load_state_dict(sd, strict=True)
     model = model.to(device=device, dtype=dtype)
-    # Norm weights stay fp32 like the reference implementation.
+    # Norm weights stay fp32 like the reference implementations.
     for m in model.modules():
         if m.__class__.__name__ == "RMSNorm":
             m.weight.data = m.weight.data.float()
-    model.rotary.inv_freq = model.rotary.inv_freq.float()
+    for rot in (model.rotary, model.rotary_local):
+        if rot is not None:
+            rot.inv_freq = rot.inv_freq.float()
     model.eval()
     return cfg, model

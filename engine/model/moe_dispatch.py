@@ -35,6 +35,14 @@ def swiglu(gu: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def activate(gu: torch.Tensor, experts) -> torch.Tensor:
+    """The experts' activation on interleaved gate/up [..., 2I] -> [..., I]: GPT-OSS's clamped SwiGLU,
+    or silu(gate) * up (Qwen3-MoE)."""
+    if experts.act == "silu":
+        return torch.nn.functional.silu(gu[..., ::2]) * gu[..., 1::2]
+    return swiglu(gu, experts.limit, experts.alpha)
+
+
 class Dispatch:
     """Runs the experts of one MoE layer on routed tokens."""
 
@@ -63,7 +71,7 @@ class TorchDispatch(Dispatch):
     def _dense(x, slot, weight, ex) -> torch.Tensor:
         """Every slot on every token [N, T, H], then each token picks its K rows."""
         gu = torch.einsum("th,ehi->eti", x, ex.gate_up_proj) + ex.gate_up_proj_bias[:, None, :]
-        y = torch.einsum("eti,eih->eth", swiglu(gu, ex.limit, ex.alpha), ex.down_proj) \
+        y = torch.einsum("eti,eih->eth", activate(gu, ex), ex.down_proj) \
             + ex.down_proj_bias[:, None, :]
         picked = y[slot, torch.arange(x.shape[0], device=x.device)[:, None]]          # [T, K, H]
         return (picked * weight[..., None].to(y.dtype)).sum(1).to(x.dtype)

@@ -1,6 +1,6 @@
 """Prefill->decode KV transfer (DESIGN "One request, end to end", step 3): base.py (interface, leases),
 ray_object.py (default), nixl.py, mooncake.py, staging.py (the prefill side's registered host buffer)."""
-from storage.transfer.base import Destination, Lease, LeaseTable, TransferBackend, TransferError, plan_pages
+from storage.transfer.base import Destination, Lease, LeaseTable, TransferBackend, TransferError
 from storage.transfer.config import TransferConfig
 
 
@@ -20,4 +20,4 @@ def make_backend(cfg: TransferConfig, role: str, pools, name: str) -> TransferBa
 
 
 __all__ = ["Destination", "Lease", "LeaseTable", "TransferBackend", "TransferConfig", "TransferError",
-           "make_backend", "plan_pages"]
+           "make_backend"]

@@ -3,7 +3,7 @@
 The flow of one request (the actor shells drive it; nothing here imports ray):
 
 1. decode side ``reserve``: the engine allocates the pages the prompt's KV will occupy -- full pages for
-   the whole prompt, SWA pages for the last window only (``plan_pages``) -- and puts them under a
+   the whole prompt, SWA pages for the last window only (``KVGeometry.plan_pages``, storage/geometry.py) -- and puts them under a
    **lease** that expires ``lease_seconds`` later. The ``Destination`` it returns names those pages and,
    for one-sided backends, how to reach them (agent metadata, registered base addresses).
 2. prefill side ``send``: computes the prompt, then moves its KV into exactly those pages. The prefill
@@ -25,21 +25,6 @@ from storage.pools import PageAllocator
 
 class TransferError(RuntimeError):
     """A transfer that failed, timed out or whose lease is gone: the request fails cleanly."""
-
-
-def plan_pages(prompt_len: int, window: int | None, page_size: int) -> tuple[int, int, int]:
-    """(full pages, first SWA logical page, SWA pages) a decode side reserves for a prompt.
-
-    The SWA range starts at the page-aligned window before the prompt's last page boundary (the earliest
-    first page a prefill export may use, engine/disagg.py ``swa_aligned_first_page``), so any export fits.
-    """
-    if prompt_len < 1:
-        raise ValueError(f"prompt_len must be >= 1, got {prompt_len}")
-    n_full = -(-prompt_len // page_size)
-    if not window:
-        return n_full, 0, 0
-    first = max(0, prompt_len // page_size - (-(-(window - 1) // page_size)))
-    return n_full, first, n_full - first
 
 
 @dataclass

@@ -21,6 +21,7 @@ from storage.radix_node import KVEvent
 
 from .conftest import MOONCAKE_TEST, random_pages
 from tests import numerics
+from storage.geometry import KVGeometry
 
 SP = SamplingParams(max_new_tokens=8, ignore_eos=True)
 PAGE = 4096 * 2 + 64      # random_pages' bf16 pages plus the header
@@ -178,7 +179,7 @@ def test_storage_actor_shell_with_router(tmp_path):
 
     start_local_ray(num_cpus=2, namespace=f"l3-{uuid.uuid4().hex[:6]}")
     try:
-        router = PrefixRouterActor.remote(RouterConfig(page_size=16))
+        router = PrefixRouterActor.remote(RouterConfig(), KVGeometry(16))
         cap = 30 * PAGE
         actor = StorageActor.remote(L3Config(backend="file", path=str(tmp_path / "l3"), capacity_bytes=cap),
                                     StorageConfig(evict_interval_s=0.2, high_water=0.6, low_water=0.3), router)

@@ -20,6 +20,7 @@ import ray
 from tests.reliability.judge import brief, verify
 from tests.reliability.workload import ERROR, HUNG, Load, LoadConfig, Recorder
 from tests import numerics
+from storage.geometry import KVGeometry
 
 
 @dataclass
@@ -201,7 +202,7 @@ def _l3_keys(ctx: Ctx, tokens: list[int]) -> list[str]:
     from storage.l3.base import l3_key
     cfg = ctx.handles["cfg"]
     mid = model_id(Path(ctx.handles["model_path"]), ctx.handles["model_config"], cfg.engine)
-    pks = prompt_keys(tokens, RouterConfig(page_size=cfg.engine.page_size))
+    pks = prompt_keys(tokens, KVGeometry(cfg.engine.page_size), RouterConfig())
     return [l3_key(mid, c, k) for c in ("full", "swa") for k in pks]
 
 

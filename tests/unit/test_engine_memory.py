@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from engine import Engine, SamplingParams
-from engine.scheduler import swa_pages_bound
+from storage.geometry import KVGeometry
 from tests import numerics
 
 
@@ -26,7 +26,7 @@ def test_swa_peak_stays_within_window_plus_one_page_while_full_grows():
     eng.pools.swa.allocator.reset_peak()
     _run_checked(eng, prompts, SamplingParams(max_new_tokens=n_new, ignore_eos=True))
     per_req_bound = (w + ps) // ps
-    assert swa_pages_bound(w, ps) <= per_req_bound
+    assert KVGeometry(ps, w).swa_pages_bound <= per_req_bound
     assert eng.pools.swa.allocator.peak_used <= n_req * per_req_bound
     # The full pool holds every position of every sequence.
     assert eng.pools.full.allocator.peak_used >= n_req * (prompt_len + n_new - 1) // ps
@@ -43,7 +43,7 @@ def test_swa_footprint_of_one_long_generation_is_constant():
         swa_use.append(eng.pools.swa.allocator.num_used)
         full_use.append(eng.pools.full.allocator.num_used)
     eng.pop_finished(rid)
-    assert max(swa_use) <= swa_pages_bound(64, 8) <= (64 + 8) // 8
+    assert max(swa_use) <= KVGeometry(8, 64).swa_pages_bound <= (64 + 8) // 8
     assert max(full_use[:-1]) >= (200 + 119) // 8
     assert eng.pools.all_free()
 

@@ -3,20 +3,22 @@ import pytest
 
 from actors.routing import L3_WORKER, NoWorkerError, PrefixIndex, RouterConfig, pick_decode, prompt_keys, route
 from storage.radix_node import KVEvent
+from storage.geometry import KVGeometry
 
 
 def ev(kind, tier, comp, keys):
     return KVEvent(kind, tier, comp, tuple(keys))
 
 
-CFG = RouterConfig(page_size=4, window_pages=2)
+CFG = RouterConfig()
+GEOM = KVGeometry(page_size=4, window=8)   # window_pages = ceil(7 / 4) = 2
 TOKS = list(range(41))          # 10 usable pages (the last token is always computed)
-KEYS = prompt_keys(TOKS, CFG)
+KEYS = prompt_keys(TOKS, GEOM, CFG)
 
 
 def test_prompt_keys_leave_the_last_token_out():
     assert len(KEYS) == 10
-    assert len(prompt_keys(list(range(40)), CFG)) == 9
+    assert len(prompt_keys(list(range(40)), GEOM, CFG)) == 9
 
 
 def test_overlap_needs_the_swa_window_at_the_cut():
@@ -50,12 +52,12 @@ def test_route_prefers_the_worker_holding_the_prefix_until_load_outweighs_it():
     idx = PrefixIndex()
     idx.apply("p1", [ev("stored", "L1", "full", KEYS), ev("stored", "L1", "swa", KEYS[-2:])])
     loads = {"p0": {"queued_tokens": 0, "running": 0}, "p1": {"queued_tokens": 0, "running": 0}}
-    w, ov = route(idx, KEYS, len(TOKS), loads, CFG)
+    w, ov = route(idx, KEYS, len(TOKS), loads, CFG, GEOM)
     assert w == "p1" and ov.pages == 10
     busy = {"p0": {"queued_tokens": 0, "running": 0}, "p1": {"queued_tokens": 5000, "running": 3}}
-    assert route(idx, KEYS, len(TOKS), busy, CFG)[0] == "p0"
+    assert route(idx, KEYS, len(TOKS), busy, CFG, GEOM)[0] == "p0"
     idx.drop_worker("p1")
-    assert len(idx) == 0 and route(idx, KEYS, len(TOKS), loads, CFG)[0] == "p0"
+    assert len(idx) == 0 and route(idx, KEYS, len(TOKS), loads, CFG, GEOM)[0] == "p0"
 
 
 def test_pick_decode_and_errors():
@@ -64,6 +66,6 @@ def test_pick_decode_and_errors():
     with pytest.raises(NoWorkerError, match="no decode worker"):
         pick_decode({})
     with pytest.raises(NoWorkerError, match="no prefill worker"):
-        route(PrefixIndex(), KEYS, 41, {}, CFG)
+        route(PrefixIndex(), KEYS, 41, {}, CFG, GEOM)
     with pytest.raises(ValueError, match="l2_weight"):
         RouterConfig(l2_weight=-1)

@@ -6,7 +6,8 @@ import torch
 from engine import Engine, SamplingParams
 from storage.config import HiCacheConfig
 from storage.pools import PageAllocator
-from storage.transfer.base import Destination, LeaseTable, TransferError, coalesce, plan_pages
+from storage.geometry import KVGeometry
+from storage.transfer.base import Destination, LeaseTable, TransferError, coalesce
 from storage.transfer.config import TransferConfig
 from storage.transfer.ray_object import RayObjectBackend, pack, unpack
 from tests import numerics
@@ -79,11 +80,11 @@ def test_check_integrity_catches_a_page_freed_under_a_lease():
 
 
 def test_plan_pages_reserves_full_prompt_and_last_window_only():
-    assert plan_pages(1, 64, 16) == (1, 0, 1)
-    assert plan_pages(64, 64, 16) == (4, 0, 4)
-    n_full, first, n_swa = plan_pages(32 * 64, 64, 16)
+    assert KVGeometry(16, 64).plan_pages(1) == (1, 0, 1)
+    assert KVGeometry(16, 64).plan_pages(64) == (4, 0, 4)
+    n_full, first, n_swa = KVGeometry(16, 64).plan_pages(32 * 64)
     assert (n_full, first, n_swa) == (128, 124, 4)
-    assert plan_pages(100, None, 16) == (7, 0, 0)
+    assert KVGeometry(16, None).plan_pages(100) == (7, 0, 0)
 
 
 def test_coalesce_merges_runs_contiguous_on_both_sides():
