@@ -35,6 +35,7 @@ class Backend(Protocol):
     max_context: int
     vocab_size: int
     tokenizer: object    # engine.model.tokenizer.TextTokenizer
+    sampling_defaults: dict   # the checkpoint's generation_config.json defaults (engine/model/loader.py)
 
     def stream(self, ids: list[int], params: SamplingParams, avoid: tuple[str, ...] = (),
                pin: dict | None = None) -> AsyncIterator[StreamItem]: ...
@@ -127,6 +128,7 @@ class Sample:
 class Frontend:
     def __init__(self, backend: Backend, metrics: Metrics | None = None, max_inflight: int = 256) -> None:
         self.backend, self.metrics, self.max_inflight = backend, metrics or Metrics(), max_inflight
+        self.sampling_defaults = dict(getattr(backend, "sampling_defaults", None) or {})
         self.inflight = 0
         self._generated: collections.deque = collections.deque()   # (time, tokens) of the last seconds
 

@@ -15,6 +15,7 @@ from actors.http_api import build_app
 from actors.routing import NoWorkerError, prompt_keys
 from actors.metrics import Metrics
 from engine.async_engine import StreamItem
+from engine.model.loader import sampling_defaults
 from engine.model.tokenizer import TextTokenizer
 from engine.sampling import SamplingParams
 from storage.transfer import TransferError
@@ -30,6 +31,7 @@ class RayBackend:
         self.model_name, self.vocab_size, self.max_context = model_name, vocab_size, max_context
         self.model_path = model_path
         self.tokenizer = TextTokenizer(model_path)
+        self.sampling_defaults = sampling_defaults(model_path)
         self.timeout = request_timeout
         self.settings = settings
         self.router_cfg = None

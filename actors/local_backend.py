@@ -7,6 +7,7 @@ from typing import AsyncIterator
 
 from engine.async_engine import AsyncEngine, StreamItem
 from engine.engine import Engine
+from engine.model.loader import sampling_defaults
 from engine.sampling import SamplingParams
 
 WORKER = "local"
@@ -21,6 +22,7 @@ class LocalBackend:
         self.vocab_size = engine.model_config.vocab_size
         self.max_context = engine.max_context
         self.tokenizer = engine.tokenizer
+        self.sampling_defaults = sampling_defaults(engine.model_path)
 
     @classmethod
     def from_pretrained(cls, model: str = "strata-tiny", model_name: str | None = None, **kw) -> "LocalBackend":

@@ -79,7 +79,7 @@ class OpenAIAdapter:
         want_prompt_lp = (body.echo and body.logprobs is not None) or body.prompt_logprobs is not None
         params = fe.params("request", max_new_tokens=max_new, grammar=grammar,
                            logprobs=body.logprobs is not None, top_logprobs=max(top_n, body.prompt_logprobs or 0),
-                           logprob_start_len=0 if want_prompt_lp else -1, **sa.common_kwargs(body, fe.backend.vocab_size))
+                           logprob_start_len=0 if want_prompt_lp else -1, **sa.common_kwargs(body, fe.backend.vocab_size, fe.sampling_defaults))
         rid = body.request_id or f"cmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         samples, pins, n_prompt, warm_cached = await self._start(prompts, params, n)
@@ -162,7 +162,7 @@ class OpenAIAdapter:
         grammar = sa.one_grammar(response_format=sa.response_format_grammar(body.response_format),
                                  tool_choice=plan.grammar, **sa.vllm_grammars(body))
         params = fe.params("request", max_new_tokens=max_new, grammar=grammar, logprobs=body.logprobs,
-                           top_logprobs=top_n, **sa.common_kwargs(body, fe.backend.vocab_size))
+                           top_logprobs=top_n, **sa.common_kwargs(body, fe.backend.vocab_size, fe.sampling_defaults))
         rid = body.request_id or f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         samples, pins, n_prompt, warm_cached = await self._start([ids], params, n)

@@ -98,15 +98,28 @@ def n_of(body) -> int:
     return body.n
 
 
-def common_kwargs(body, vocab: int) -> dict:
+SAMPLING_FALLBACK = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def sampling_value(body, name: str, defaults: dict, given: bool | None = None):
+    """A request's value of ``name``; when the request did not set it, the checkpoint's default
+    (generation_config.json), else the API's."""
+    v = getattr(body, name)
+    if given is None:
+        given = v is not None
+    return v if given else defaults.get(name, SAMPLING_FALLBACK[name])
+
+
+def common_kwargs(body, vocab: int, defaults: dict | None = None) -> dict:
     """SamplingParams keyword arguments from the OpenAI/vLLM sampling fields of ``body``."""
+    d = defaults or {}
     return dict(
-        temperature=1.0 if body.temperature is None else float(body.temperature),
-        top_p=1.0 if body.top_p is None else float(body.top_p),
-        top_k=top_k(body.top_k), min_p=float(body.min_p or 0.0),
+        temperature=float(sampling_value(body, "temperature", d)),
+        top_p=float(sampling_value(body, "top_p", d)),
+        top_k=top_k(sampling_value(body, "top_k", d)), min_p=float(sampling_value(body, "min_p", d)),
         presence_penalty=float(body.presence_penalty or 0.0),
         frequency_penalty=float(body.frequency_penalty or 0.0),
-        repetition_penalty=1.0 if body.repetition_penalty is None else float(body.repetition_penalty),
+        repetition_penalty=float(sampling_value(body, "repetition_penalty", d)),
         logit_bias=logit_bias(body.logit_bias, vocab), seed=seed(body.seed), stop=stops(body.stop),
         stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
         min_new_tokens=body.min_tokens, skip_special_tokens=body.skip_special_tokens,

@@ -55,11 +55,14 @@ class SGLangAdapter:
         if sp.seed is not None and sp.sampling_seed is not None and sp.seed != sp.sampling_seed:
             raise bad(f"{field}.sampling_seed", "differs from seed")
         grammar = sa.one_grammar(**{f"{field}.{k}": v for k, v in sa.vllm_grammars(sp).items()})
-        return fe.params(field, max_new_tokens=max_new, temperature=float(sp.temperature),
-                         top_p=float(sp.top_p), top_k=sa.top_k(sp.top_k), min_p=float(sp.min_p),
+        given, d = sp.model_fields_set, fe.sampling_defaults
+        value = {k: sa.sampling_value(sp, k, d, k in given) for k in sa.SAMPLING_FALLBACK}
+        return fe.params(field, max_new_tokens=max_new, temperature=float(value["temperature"]),
+                         top_p=float(value["top_p"]), top_k=sa.top_k(value["top_k"]),
+                         min_p=float(value["min_p"]),
                          presence_penalty=float(sp.presence_penalty),
                          frequency_penalty=float(sp.frequency_penalty),
-                         repetition_penalty=float(sp.repetition_penalty),
+                         repetition_penalty=float(value["repetition_penalty"]),
                          logit_bias=sa.logit_bias(sp.logit_bias, fe.backend.vocab_size),
                          seed=sa.seed(sp.seed if sp.seed is not None else sp.sampling_seed),
                          stop=sa.stops(sp.stop), stop_token_ids=tuple(sp.stop_token_ids or ()),

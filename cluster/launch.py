@@ -93,7 +93,7 @@ def start_actors(cfg: ClusterConfig, detached: bool = False, ready_timeout: floa
     path = resolve_model_path(cfg.engine.model)
     mc = ModelConfig.from_dir(path)
     geometry = KVGeometry.from_layers(mc.layer_types, mc.sliding_window, cfg.engine.page_size)
-    engine_cfg = dataclasses.replace(cfg.engine, model=str(path))
+    engine_cfg = dataclasses.replace(cfg.engine, model=str(path)).resolved(mc.torch_dtype)
     life = {"lifetime": "detached"} if detached else {}
     # The configured namespace even when called from a task of another namespace (a Serve app builder).
     ns = cfg.ray.namespace

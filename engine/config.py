@@ -1,6 +1,7 @@
 """Configuration of one worker's engine."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -48,8 +49,8 @@ class EngineConfig:
             raise ValueError("hicache needs enable_prefix_cache=True")
         if self.eplb is not None and not isinstance(self.eplb, EplbConfig):
             raise ValueError("eplb must be an EplbConfig")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in _DTYPES and self.dtype != "auto":
+            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device != "auto":
             try:
                 torch.device(self.device)
@@ -62,7 +63,15 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            raise ValueError("dtype auto is resolved from the checkpoint (Engine resolves it at load)")
         return _DTYPES[self.dtype]
+
+    def resolved(self, checkpoint_dtype: str) -> "EngineConfig":
+        """``dtype: auto`` -> the checkpoint's ``torch_dtype`` (float32 when it names none of ours)."""
+        if self.dtype != "auto":
+            return self
+        return dataclasses.replace(self, dtype=checkpoint_dtype if checkpoint_dtype in _DTYPES else "float32")
 
     @property
     def torch_device(self) -> torch.device:

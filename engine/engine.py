@@ -11,7 +11,7 @@ from typing import Sequence, Union
 import torch
 
 from engine.config import EngineConfig
-from engine.model.loader import load_model, resolve_model_path
+from engine.model.loader import load_config, load_model, resolve_model_path
 from engine.model.moe_dispatch import select_dispatch
 from engine.model import moe_slots
 from engine.model.tokenizer import TextTokenizer
@@ -84,6 +84,8 @@ class Engine:
         self.device = cfg.torch_device
         path = resolve_model_path(cfg.model)
         self.model_path = path
+        if cfg.dtype == "auto":
+            cfg = self.cfg = cfg.resolved(load_config(path).torch_dtype)
         self.model_config, self.model = load_model(path, cfg.torch_dtype, self.device)
         mc = self.model_config
         self.moe_layers = self.model.moe_layers

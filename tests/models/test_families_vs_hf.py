@@ -118,3 +118,26 @@ def test_config_reads_what_transformers_reads(family):
         assert mc.sliding_window == c.sliding_window == WINDOWS[name]
     assert len(mc.moe_layer_ids) == sum(1 for layer in hf.model.layers
                                          if hasattr(layer.mlp, "experts"))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss_mxfp4"], indirect=True)
+def test_moe_families_keep_transformers_tokens_while_eplb_moves_experts(family):
+    """Expert slots (EPLB) on the MoE families: placements applied between steps of running
+    generations, and the tokens are still transformers'."""
+    from engine.eplb import EplbConfig, rebalance
+    name, path, hf = family
+    mc = load_config(path)
+    e = mc.num_local_experts
+    eng = _engine(path, eplb=EplbConfig(num_ranks=4, num_redundant_experts=4, auto=False))
+    assert eng.expert_slots()["phy2log"].shape == (len(mc.moe_layer_ids), e + 4)
+    prompts = _prompts(name)[2:]
+    rids = [eng.add_request(p, numerics.with_logits(SP)) for p in prompts]
+    step, moved = 0, 0
+    while eng.has_unfinished():
+        eng.step()
+        step += 1
+        if step % 3 == 0:
+            moved += eng.apply_placement(rebalance(eng.expert_load(), e + 4, 1, 1, 4)[0])["moved_slots"]
+    assert moved > 0
+    for p, r in zip(prompts, rids):
+        numerics.assert_same_output(eng.pop_finished(r), hf_greedy(hf, p, N_NEW), mc, f"{name} with EPLB")

@@ -119,3 +119,57 @@ def test_mxfp4_blocks_without_scales_and_eplb_on_a_dense_model_are_refused(tmp_p
     from engine.eplb import EplbConfig
     with pytest.raises(ValueError, match="no MoE layers"):
         Engine.from_pretrained(str(dense), num_pages=64, eplb=EplbConfig(num_ranks=2))
+
+
+@pytest.mark.numerics
+def test_bf16_and_fp16_checkpoints_load_and_dtype_auto_follows_torch_dtype(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from engine import SamplingParams
+    from tests import numerics
+    from tests.unit.hf_ref import hf_greedy
+    src = write_family("qwen3", tmp_path / "fp32")
+    prompt = list(range(3, 40))
+    for dt in (torch.bfloat16, torch.float16):
+        p = tmp_path / str(dt)
+        AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(dt).save_pretrained(p)
+        shutil.copy(src / "tokenizer.json", p / "tokenizer.json")
+        auto = Engine.from_pretrained(str(p), num_pages=64, dtype="auto")
+        assert auto.cfg.dtype == str(dt).removeprefix("torch.") and auto.pools.full.kv.dtype == dt
+        # Upcast to fp32 on both sides: the same weights, so the same tokens as transformers.
+        eng = Engine.from_pretrained(str(p), num_pages=64, dtype="float32")
+        got = eng.generate([prompt], SamplingParams(max_new_tokens=6, ignore_eos=True, return_logits=True))[0]
+        hf = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, attn_implementation="eager").eval()
+        numerics.assert_same_output(got, hf_greedy(hf, prompt, 6), eng.model_config, f"{dt} checkpoint")
+
+
+def test_generation_config_sampling_defaults_apply_where_the_request_is_silent(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from actors.http_api import build_app
+    from actors.local_backend import LocalBackend
+    p = write_family("llama", tmp_path / "m")
+    (p / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [256, 257], "temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True}))
+    assert load_model(p)[0].eos_token_id == (256, 257)     # config.json's 256 joined by 257
+
+    class Capture(LocalBackend):
+        seen: list = []
+
+        def stream(self, ids, params, avoid=(), pin=None):
+            self.seen.append(params)
+            return super().stream(ids, params, avoid, pin)
+
+    backend = Capture.from_pretrained(str(p), model_name="m", num_pages=64)
+    with TestClient(build_app(backend)) as c:
+        assert c.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2}).status_code == 200
+        assert c.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2,
+                                               "temperature": 1.0, "top_k": -1}).status_code == 200
+        assert c.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+        assert c.post("/generate", json={"text": "hi", "sampling_params": {
+            "max_new_tokens": 2, "top_p": 0.5}}).status_code == 200
+    silent, explicit, sgl, sgl_top_p = Capture.seen
+    assert (silent.temperature, silent.top_p, silent.top_k) == (0.6, 0.95, 20)
+    assert (explicit.temperature, explicit.top_p, explicit.top_k) == (1.0, 0.95, 0)
+    assert (sgl.temperature, sgl.top_p, sgl.top_k) == (0.6, 0.95, 20)
+    assert (sgl_top_p.temperature, sgl_top_p.top_p) == (0.6, 0.5)
