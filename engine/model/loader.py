@@ -180,6 +180,8 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32,
     sd = to_strata(load_state_dict(path), cfg, model.state_dict(), dtype)
     model.load_state_dict(sd, strict=True)
     model = model.to(device=device, dtype=dtype)
+    if cfg.tie_word_embeddings:   # one tensor, not two copies (Gemma 3: 262k x hidden)
+        model.lm_head.weight = model.model.embed_tokens.weight
     # Norm weights stay fp32 like the reference implementations.
     for m in model.modules():
         if m.__class__.__name__ == "RMSNorm":
