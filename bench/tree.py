@@ -78,12 +78,10 @@ class BareTree:
         self.alloc = {FULL: PageAllocator(full, "full"), SWA: PageAllocator(swa, "swa")}
         self.wp = geom.window_pages
 
-    def keys(self, tokens: list[int]):
-        return self.tree.page_keys(tokens)
-
     def match(self, tokens: list[int], max_pages: int, now: float):
-        keys = self.keys(tokens)
-        m = self.tree.match_prefix(keys[:max_pages], now=now)
+        # Lazy keys: the pages the tree recognises by their tokens are not hashed; insert reuses them.
+        keys = self.tree.sequence_keys(tokens, max_pages)
+        m = self.tree.match_prefix(keys, now=now)
         self.tree.lock(m.node, FULL)
         self.tree.lock(m.node, SWA)
         return (m, keys), m.num_pages, m.l1_full, m.l1_swa
@@ -98,7 +96,7 @@ class BareTree:
 
     def insert(self, handle, tokens: list[int], full: list[int], swa: list, now: float) -> None:
         m, keys = handle
-        res = self.tree.insert(keys, full, swa, now=now)
+        res = self.tree.insert(keys.extended(tokens), full, swa, now=now)
         self.alloc[FULL].free(res.free_full)
         self.alloc[SWA].free(res.free_swa)
 
@@ -136,7 +134,7 @@ class ThroughHiCache(BareTree):
             self.cache.evict_l1(c, n - a.num_free)
 
     def insert(self, handle, tokens: list[int], full: list[int], swa: list, now: float) -> None:
-        dup_full, dup_swa = self.cache.insert(tokens, full, swa, now)
+        dup_full, dup_swa = self.cache.insert(tokens, full, swa, now, keys=handle.keys)
         self.alloc[FULL].free(dup_full)
         self.alloc[SWA].free(dup_swa)
 

@@ -76,7 +76,8 @@ class PrefixCacheHooks(SchedulerHooks):
         n = req.num_computed // ps
         # Only pages written from their first position are whole SWA data the cache can serve.
         swa = [p if a * ps >= req.swa_valid_from else None for a, p in enumerate((req.swa_pages + [None] * n)[:n])]
-        dup_full, dup_swa = self.cache.insert(req.tokens(0, n * ps), req.full_pages[:n], swa, self.clock())
+        keys = req.hit.keys if req.hit is not None else None
+        dup_full, dup_swa = self.cache.insert(req.tokens(0, n * ps), req.full_pages[:n], swa, self.clock(), keys)
         owned_tail_full = req.full_pages[max(n, req.num_shared_full):]
         owned_tail_swa = [p for a, p in enumerate(req.swa_pages)
                           if p is not None and a not in req.shared_swa and (a >= n or swa[a] is None)]

@@ -16,11 +16,10 @@ Encoding (stable across processes, platforms and Python versions):
 from __future__ import annotations
 
 import array
+import functools
 import hashlib
 import sys
-import operator
-import struct
-from typing import Iterable, Sequence, Union
+from typing import Iterable, Iterator, Optional, Sequence, Union, overload
 
 KEY_BYTES = 16
 """Length of a page key in bytes."""
@@ -55,10 +54,20 @@ def _tagged(value: Seed | None, what: str) -> bytes:
 
 def root_key(seed: Seed = DEFAULT_SEED, salt: Seed | None = None) -> bytes:
     """The chain root ``h_{-1}`` (KEY_BYTES bytes). A different salt gives a disjoint key space."""
+    if isinstance(seed, (bytearray, memoryview)) or isinstance(salt, (bytearray, memoryview)):
+        return _root_key(seed, salt)  # unhashable: not cached
+    return _cached_root_key(seed, salt)
+
+
+def _root_key(seed: Seed, salt: Seed | None) -> bytes:
     h = hashlib.blake2b(digest_size=KEY_BYTES, person=_ROOT_PERSON)
     h.update(_tagged(seed, "seed"))
     h.update(_tagged(salt, "salt"))
     return h.digest()
+
+
+# typed: True and 1 are equal keys to a plain cache, but only one of them is a valid seed.
+_cached_root_key = functools.lru_cache(maxsize=64, typed=True)(_root_key)
 
 
 def _check_page_size(page_size: int) -> int:
@@ -73,29 +82,51 @@ def _check_key(key: bytes, what: str = "parent") -> bytes:
     return bytes(key)
 
 
+def _int64s(tokens: Tokens) -> array.array:
+    """Token ids as an ``array('q')``, converting only what must be: an int64 array or buffer (numpy)
+    is taken as is, anything else goes through one list."""
+    if isinstance(tokens, array.array) and tokens.typecode == "q":
+        return tokens
+    if not isinstance(tokens, (list, tuple)):
+        try:
+            view = memoryview(tokens)
+        except TypeError:
+            view = None
+        if view is not None and view.ndim == 1 and view.itemsize == 8 and view.format in ("q", "l", "<q", "<l"):
+            out = array.array("q")
+            out.frombytes(view.tobytes())
+            return out
+        tokens = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+    try:
+        # array() packs a list of ints in C; it rejects floats and bools pass as ints, like index().
+        return array.array("q", tokens)
+    except TypeError as e:
+        raise TypeError(f"token ids must be integers: {e}") from None
+    except OverflowError:
+        bad = next(t for t in tokens if t < 0 or t > _INT64_MAX)
+        raise ValueError(f"token id {bad} outside [0, 2**63)") from None
+
+
+# Every byte value with the top bit clear: deleting them from the high bytes of little-endian int64s
+# leaves something iff an id is negative (a C-speed scan, where min() boxes every id).
+_NON_NEGATIVE_TOP = bytes(range(128))
+
+
 def encode_tokens(tokens: Tokens) -> bytes:
     """Token ids -> little-endian int64 bytes (8 bytes per token).
 
     Accepts any iterable of integers, or a torch/numpy array (anything with ``tolist()``). Raises
     ValueError for ids outside [0, 2**63) and TypeError for non-integers (floats are not token ids).
     """
-    if hasattr(tokens, "tolist"):
-        tokens = tokens.tolist()
-    if not isinstance(tokens, list):
-        tokens = list(tokens)
-    try:
-        # array() packs a list of ints in C; it rejects floats and bools pass as ints, like index().
-        packed = array.array("q", tokens)
-    except TypeError as e:
-        raise TypeError(f"token ids must be integers: {e}") from None
-    except OverflowError:
-        packed = None
-    if packed is None or (packed and min(packed) < 0):
-        bad = next(t for t in tokens if t < 0 or t > _INT64_MAX)
-        raise ValueError(f"token id {bad} outside [0, 2**63)")
+    packed = _int64s(tokens)
     if sys.byteorder != "little":
+        packed = array.array("q", packed)
         packed.byteswap()
-    return packed.tobytes()
+    enc = packed.tobytes()
+    if enc[7::8].translate(None, _NON_NEGATIVE_TOP):
+        bad = next(t for t in packed if t < 0) if sys.byteorder == "little" else "< 0"
+        raise ValueError(f"token id {bad} outside [0, 2**63)")
+    return enc
 
 
 _PAGE_HASHER = hashlib.blake2b(digest_size=KEY_BYTES, person=_PAGE_PERSON)
@@ -180,3 +211,105 @@ class PageHasher:
             self.keys.extend(new)
             self.last_key = new[-1]
         return new
+
+
+class SequenceKeys(Sequence[bytes]):
+    """The page keys of one token sequence, computed on demand and remembered: a ``Sequence[bytes]`` of
+    ``num_pages`` keys (default: every full page), equal element for element to ``page_keys``.
+
+    One object serves a request's match and its insert, so no page is hashed twice; and the radix tree
+    hands it the keys of the pages it recognises by their tokens (``match_run``), so a cached prefix
+    costs one hash per tree node instead of one per page. ``tokens`` is kept as a list (what the tree
+    compares with the tokens it stores).
+    """
+
+    __slots__ = ("tokens", "page_size", "num_pages", "_keys", "_root")
+
+    def __init__(self, tokens: Tokens, page_size: int, *, seed: Seed = DEFAULT_SEED, salt: Seed | None = None,
+                 num_pages: Optional[int] = None) -> None:
+        self.page_size = _check_page_size(page_size)
+        if type(tokens) is not list:
+            tokens = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+        self.tokens: list = tokens
+        full = len(tokens) // page_size
+        if num_pages is not None and (isinstance(num_pages, bool) or not isinstance(num_pages, int)
+                                      or not 0 <= num_pages <= full):
+            raise ValueError(f"num_pages must be an int in [0, {full}], got {num_pages!r}")
+        self.num_pages = full if num_pages is None else num_pages
+        self._root = root_key(seed, salt)
+        self._keys: list[bytes] = []
+
+    def __len__(self) -> int:
+        return self.num_pages
+
+    @overload
+    def __getitem__(self, i: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[bytes]: ...
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            lo, hi, step = i.indices(self.num_pages)
+            if step == 1:
+                self._ensure(hi)
+                return self._keys[lo:hi] if lo < hi else []
+            return [self[j] for j in range(lo, hi, step)]
+        if i < 0:
+            i += self.num_pages
+        if not 0 <= i < self.num_pages:
+            raise IndexError(f"page {i} of {self.num_pages}")
+        if i >= len(self._keys):
+            self._ensure(i + 1)
+        return self._keys[i]
+
+    def __iter__(self) -> Iterator[bytes]:
+        self._ensure(self.num_pages)
+        return iter(self._keys[:self.num_pages])
+
+    @property
+    def num_known(self) -> int:
+        """Pages whose key is already known (computed or recognised)."""
+        return len(self._keys)
+
+    def _ensure(self, n: int) -> None:
+        have = len(self._keys)
+        if n <= have:
+            return
+        ps = self.page_size
+        enc = encode_tokens(self.tokens[have * ps:n * ps])
+        self._keys += _chain(self._keys[-1] if have else self._root, enc, 8 * ps, n - have)
+
+    def match_run(self, i: int, keys: Sequence[bytes], tokens: Sequence[int]) -> int:
+        """Pages of a run (``keys`` and their ``tokens``, e.g. a tree edge) that this sequence shares
+        from its page ``i``, given that page ``i``'s key equals ``keys[0]``. Equal tokens under an equal
+        key mean equal keys, so the run's keys are taken, not computed."""
+        ps, m = self.page_size, min(len(keys), self.num_pages - i)
+        toks, a = self.tokens, i * ps
+        if toks[a + ps:a + m * ps] == tokens[ps:m * ps]:  # one C-level comparison in the common case
+            k = m
+        else:
+            k = 1
+            while k < m and toks[a + k * ps:a + (k + 1) * ps] == tokens[k * ps:(k + 1) * ps]:
+                k += 1
+        known = len(self._keys)
+        if i < known < i + k:
+            self._keys += keys[known - i:k]
+        return k
+
+    def extended(self, tokens: Tokens, num_pages: Optional[int] = None) -> "SequenceKeys":
+        """The keys of a longer sequence (e.g. prompt + output at insert time) keeping what is known
+        here when ``tokens`` starts with this sequence's known pages (checked, cheaply: mostly the same
+        int objects)."""
+        out = SequenceKeys.__new__(SequenceKeys)
+        out.page_size, out._root = self.page_size, self._root
+        out.tokens = tokens if type(tokens) is list else (tokens.tolist() if hasattr(tokens, "tolist")
+                                                          else list(tokens))
+        full = len(out.tokens) // self.page_size
+        if num_pages is not None and not 0 <= num_pages <= full:
+            raise ValueError(f"num_pages must be in [0, {full}], got {num_pages!r}")
+        out.num_pages = full if num_pages is None else num_pages
+        n = min(len(self._keys), out.num_pages)
+        same = out.tokens is self.tokens or out.tokens[:n * self.page_size] == self.tokens[:n * self.page_size]
+        out._keys = self._keys[:n] if same else []
+        return out

@@ -32,7 +32,7 @@ from storage.radix import Freed, Node, RadixTree
 from storage.radix_node import L1, L2, L3
 from storage.copier import Copier, Job, LayerFuture
 from storage.geometry import KVGeometry
-from storage.hashing import DEFAULT_SEED
+from storage.hashing import DEFAULT_SEED, SequenceKeys
 
 
 @dataclass
@@ -46,6 +46,8 @@ class PrefixHit:
     tokens_by_tier: dict[str, int] = field(default_factory=lambda: {"L1": 0, "L2": 0, "L3": 0})
     locked: tuple[str, ...] = ()
     waits: list[LayerFuture] = field(default_factory=list)  # loads to wait for, layer by layer
+    # The request's page keys as far as the match needed them: hand them back to ``insert``.
+    keys: Optional[SequenceKeys] = None
 
 
 class HiCache:
@@ -93,13 +95,13 @@ class HiCache:
         if n <= 0:
             self._drop_prefetch(prefetch)
             return PrefixHit()
-        keys = self.tree.page_keys(list(tokens[:n * ps]))
+        keys = self.tree.sequence_keys(tokens, n)
         res = self.tree.match_prefix(keys, now=now)
         if res.full_l3 or res.swa_l3:
             res = self._match_l12(keys, res, now)
         if res.num_pages == 0:
-            return self._count_hit(self._take_prefetch(prefetch, PrefixHit(), now))
-        hit = PrefixHit(node=res.node, num_pages=res.num_pages)
+            return self._count_hit(self._take_prefetch(prefetch, PrefixHit(keys=keys), now))
+        hit = PrefixHit(node=res.node, num_pages=res.num_pages, keys=keys)
         self._lock(hit)
         from_l2 = res.full_l2
         if from_l2 and (self.host is None or from_l2 < self.cfg.load_back_threshold_pages):
@@ -109,14 +111,15 @@ class HiCache:
             self._drop_prefetch(prefetch)
             return self._give_up(hit)
         hit.waits += [f for f in (self._loading.get(nd.id) for nd in res.nodes) if f is not None and not f.done]
+        lo = res.num_pages - self.tree.window_pages if self.has_swa else res.num_pages
         for nd in res.nodes:
             hit.full_pages += nd.l1[FULL]
-        lo = res.num_pages - self.tree.window_pages
-        for nd in res.nodes:
-            for i in range(nd.num_pages):
-                page = nd.depth + i
-                swa = nd.l1[SWA]
-                hit.swa_pages.append(swa[i] if self.has_swa and swa is not None and page >= lo else None)
+            swa = nd.l1[SWA]
+            if nd.end <= lo or swa is None:
+                hit.swa_pages += [None] * nd.num_pages
+            else:
+                cut = max(0, lo - nd.depth)
+                hit.swa_pages += [None] * cut + swa[cut:]
         hit.tokens_by_tier = {"L1": res.full_l1 * ps, "L2": from_l2 * ps, "L3": 0}
         hit = self._take_prefetch(prefetch, hit, now)
         self._count_hit(hit)
@@ -191,19 +194,20 @@ class HiCache:
     def _give_up(self, hit: PrefixHit) -> PrefixHit:
         self.stats["hits_given_up"] += 1
         self.release(hit)
-        return PrefixHit()
+        return PrefixHit(keys=hit.keys)
 
     # ---- insert ------------------------------------------------------------------------------------
     def insert(self, tokens: Sequence[int], full_pages: Sequence[int], swa_pages: Sequence[Optional[int]],
-               now: float) -> tuple[list[int], list[int]]:
+               now: float, keys: Optional[SequenceKeys] = None) -> tuple[list[int], list[int]]:
         """Hand a finished sequence's whole pages to the tree. Returns (full, swa) L1 pages the caller
-        still owns and must free (duplicates of pages the tree already had)."""
+        still owns and must free (duplicates of pages the tree already had). ``keys``: the request's
+        ``PrefixHit.keys``, so what its match already knows is not hashed again."""
         n = len(full_pages)
         if n == 0:
             return [], []
         swa = list(swa_pages) if self.has_swa else [None] * n
-        res = self.tree.insert(self.tree.page_keys(list(tokens[:n * self.page_size])), list(full_pages), swa,
-                               now=now)
+        keys = keys.extended(tokens, n) if keys is not None else self.tree.sequence_keys(tokens, n)
+        res = self.tree.insert(keys, list(full_pages), swa, now=now)
         if self.cfg is not None and self.cfg.write_policy == "write_through":
             for nd in res.node.path():
                 self._backup(nd, now)

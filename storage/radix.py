@@ -20,12 +20,15 @@ Rules (checked by ``check_integrity``, see storage/radix_check.py):
   data a request continuing from there reads. A SWA lock requires the node to be full-locked, and a
   full unlock that would leave a SWA-locked node full-unlocked raises: so every SWA-locked node is
   full-locked, hence never removed.
-* **LRU** per (component, tier), see storage/radix_lru.py. A node is in the (c, L1) list iff it holds c
+* **LRU** per (component, tier), see storage/radix_lru.py. Full lists order by ``last_access``, SWA
+  lists by ``swa_access``: a match or insert touches the whole path for full but only the nodes inside
+  the window before its end for SWA, so the stale windows of earlier turns on the path age and SWA
+  eviction takes them before the live one. A node is in the (c, L1) list iff it holds c
   in L1 and is unlocked for c, and, for full, no child holds full L1 (evict from the leaves, as
   removing or demoting a parent first would break L1 closure). It is in the (c, L2) list iff it holds c
   in L2 but not in L1 (L2 is its top copy -- never in both lists for the same data), is unlocked for
   c, and, for full, no child holds full L1 or L2. SWA has no leaf condition: tombstoning an internal
-  node is harmless, and a match path shares one timestamp, so children still go first.
+  node is harmless, and a window shares one timestamp, so children still go first.
 * **Eviction** of (c, tier) from a node drops that copy. Full: if no other full copy is left the node
   and its subtree are removed (``on_evict`` lets a write-back controller back it up first). SWA: the
   node stays, tombstoned if no other SWA copy is left.
@@ -35,7 +38,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterator, Optional, Sequence
 
-from storage.hashing import DEFAULT_SEED, Seed, page_keys
+from storage.hashing import DEFAULT_SEED, Seed, SequenceKeys, page_keys
 from storage.radix_check import check_tree
 from storage.radix_lru import LRUIndex
 from storage.radix_node import (COMPONENTS, FULL, L1, L2, L3, PAGE_TIERS, SWA, TIERS, Freed, InsertResult,
@@ -46,6 +49,8 @@ from storage.radix_tiers import OnEvict, TierOps
 def _common(edge: list[bytes], keys: Sequence[bytes], i: int) -> int:
     """Length of the common prefix of ``edge`` and ``keys[i:]``."""
     n = min(len(edge), len(keys) - i)
+    if edge[:n] == keys[i:i + n]:  # the common case, one C-level comparison
+        return n
     k = 0
     while k < n and edge[k] == keys[i + k]:
         k += 1
@@ -77,7 +82,8 @@ class RadixTree(TierOps):
         self.window_pages = self._check_window(window_pages)
         self.seed = seed
         self.root = Node(None, [], 0)
-        self._lru = {(c, t): LRUIndex(f"{c}/{t}") for c in COMPONENTS for t in PAGE_TIERS}
+        self._lru = {(c, t): LRUIndex(f"{c}/{t}", "last_access" if c == FULL else "swa_access")
+                     for c in COMPONENTS for t in PAGE_TIERS}
         self._locks: Counter[tuple[str, Node]] = Counter()  # (component, node) -> lock() calls held
         self._events: list[KVEvent] = []
         self._size = {(c, t): 0 for c in COMPONENTS for t in PAGE_TIERS}
@@ -94,6 +100,11 @@ class RadixTree(TierOps):
     def page_keys(self, tokens, salt: Seed | None = None) -> list[bytes]:
         """Keys of the full pages of ``tokens`` under this tree's seed (and a tenant ``salt``)."""
         return page_keys(tokens, self.page_size, seed=self.seed, salt=salt)
+
+    def sequence_keys(self, tokens, num_pages: Optional[int] = None, salt: Seed | None = None) -> SequenceKeys:
+        """The same keys computed lazily (storage/hashing.py SequenceKeys): pass it to ``match_prefix``
+        and ``insert`` and the pages the tree recognises by their tokens are not hashed."""
+        return SequenceKeys(tokens, self.page_size, seed=self.seed, salt=salt, num_pages=num_pages)
 
     def take_events(self) -> list[KVEvent]:
         """Drain the KV events accumulated since the last call, oldest first."""
@@ -132,23 +143,47 @@ class RadixTree(TierOps):
         """Raise AssertionError if any invariant of the module doc (or of the bookkeeping) is broken."""
         check_tree(self)
 
+    # ------------------------------------------------------------------ read-only view (radix_check)
+
+    def lock_registry(self) -> Iterator[tuple[str, Node, int]]:
+        """``(component, node, count)`` for every ``lock(node, component)`` still held."""
+        return ((c, node, k) for (c, node), k in self._locks.items())
+
+    def swa_window_start(self, node: Node) -> int:
+        """First page of the SWA window a lock on ``node`` covers."""
+        return max(0, node.end - self.window_pages)
+
+    def lru_members(self, component: str, tier: str) -> list[Node]:
+        return self._lru[(component, tier)].members()
+
+    def lru_consistent(self, component: str, tier: str) -> bool:
+        """Whether the (component, tier) LRU's heap agrees with its members and their current keys."""
+        return self._lru[(component, tier)].consistent()
+
     # ------------------------------------------------------------------ match / insert
 
     def match_prefix(self, keys: Sequence[bytes], *, now: float,
                      window_pages: Optional[int] = None) -> MatchResult:
-        """Longest usable prefix of ``keys`` (see MatchResult); touches the usable path.
+        """Longest usable prefix of ``keys`` (see MatchResult); touches the usable path (SWA: only the
+        window before its end, see the module doc).
 
-        ``window_pages`` overrides the tree's W for this query only (locks always use the tree's W).
-        Splits the last node when m falls inside it, so ``result.node`` ends exactly at m.
+        ``keys`` is a list of page keys or a SequenceKeys (``sequence_keys``), which hashes only what the
+        tree does not recognise by its tokens. ``window_pages`` overrides the tree's W for this query
+        only (locks and touches always use the tree's W). Splits the last node when m falls inside it,
+        so ``result.node`` ends exactly at m.
         """
         w = self.window_pages if window_pages is None else self._check_window(window_pages)
         path: list[tuple[Node, int]] = []  # (node, pages of it matched)
         cur, i = self.root, 0
+        by_tokens = isinstance(keys, SequenceKeys) and keys.page_size == self.page_size
         while i < len(keys):
             child = cur.children.get(keys[i])
             if child is None:
                 break
-            k = _common(child.keys, keys, i)
+            if by_tokens and child.tokens is not None:
+                k = keys.match_run(i, child.keys, child.tokens)
+            else:
+                k = _common(child.keys, keys, i)
             path.append((child, k))
             i += k
             if k < child.num_pages:
@@ -185,7 +220,8 @@ class RadixTree(TierOps):
             res.l1_swa.extend(n.l1[SWA] if n.l1[SWA] is not None else [None] * n.num_pages)
             n.last_access = now
             n.hit_count += 1
-            self._refresh(n)
+            self._touch(n, FULL)
+        self._touch_window(nodes, now)
         res.swa_window = left = min(w, res.num_pages)
         swa_tiers = {t: 0 for t in TIERS}
         for n in reversed(nodes):
@@ -206,11 +242,14 @@ class RadixTree(TierOps):
         where the caller has no SWA data (typically all but the last window). Existing nodes keep
         their L1 data (the caller's differing pages come back as duplicates to free); a node lacking
         L1 data of a component (evicted to L2/L3, or a SWA tombstone) adopts the caller's pages.
-        ``tokens`` (``len(keys) * page_size`` ids) are stored on new edges for debugging/export.
+        ``tokens`` (``len(keys) * page_size`` ids, the ones the keys were computed from) are stored on
+        new edges, where later matches compare them instead of hashing; a SequenceKeys ``keys`` brings
+        its own.
         """
         n = len(keys)
         full = list(full_pages)
         swa = list(swa_pages) if swa_pages is not None else [None] * n
+        by_tokens = isinstance(keys, SequenceKeys) and keys.page_size == self.page_size
         toks = list(tokens) if tokens is not None else None
         if len(full) != n or len(swa) != n:
             raise ValueError(f"{n} keys but {len(full)} full pages and {len(swa)} swa entries")
@@ -218,18 +257,23 @@ class RadixTree(TierOps):
             raise ValueError("every page needs a full L1 page")
         if toks is not None and len(toks) != n * self.page_size:
             raise ValueError(f"{len(toks)} tokens for {n} pages of {self.page_size}")
+        if toks is None and by_tokens:
+            toks = keys.tokens  # may run past the n pages: only page slices are taken
         res = InsertResult(node=self.root)
         cur, i = self.root, 0
         while i < n:
             child = cur.children.get(keys[i])
             if child is None:
                 break
-            cut = _common(child.keys, keys, i)
+            if by_tokens and child.tokens is not None:
+                cut = keys.match_run(i, child.keys, child.tokens)
+            else:
+                cut = _common(child.keys, keys, i)
             if child.l1[SWA] is None:  # adopting SWA pages must cover the whole node: cut at run ends
                 cut = min(cut, _run(swa, i, i + cut))
             if cut < child.num_pages:
                 child = self._split(child, cut)
-            self._absorb(child, i, full, swa, toks, res)
+            self._absorb(child, i, full, swa, toks, res, now)
             cur, i = child, i + cut
         res.num_existing = i
         while i < n:
@@ -242,14 +286,30 @@ class RadixTree(TierOps):
             if swa[i] is not None:
                 self._set(node, SWA, L1, swa[i:i + r])
             cur, i = node, i + r
-        for node in cur.path():
+        path = cur.path()
+        for node in path:
             node.last_access = now
-            self._refresh(node)
+            self._touch(node, FULL)
+        self._touch_window(path, now)
         res.node = cur
         return res
 
+    def _touch(self, node: Node, c: str) -> None:
+        for t in PAGE_TIERS:
+            self._lru[(c, t)].touch(node)
+
+    def _touch_window(self, path: list[Node], now: float) -> None:
+        """SWA recency for the nodes of ``path`` inside the window before its end (the whole path
+        without a window): the only SWA data a request continuing from there reads."""
+        lo = path[-1].end - self.window_pages if path and self.window_pages else -1
+        for node in reversed(path):
+            if node.end <= lo:
+                break
+            node.swa_access = now
+            self._touch(node, SWA)
+
     def _absorb(self, node: Node, i: int, full: list, swa: list, toks: Optional[list],
-                res: InsertResult) -> None:
+                res: InsertResult, now: float) -> None:
         """Merge the caller's pages ``[i, i + node.num_pages)`` into an existing node."""
         k = node.num_pages
         mine = full[i:i + k]
@@ -260,6 +320,7 @@ class RadixTree(TierOps):
         mine = swa[i:i + k]
         if node.l1[SWA] is None:
             if mine[0] is not None:  # uniform by the run cut: un-tombstone / load with the caller's
+                node.swa_access = now  # fresh data, as a new node's
                 self._set(node, SWA, L1, mine)
         else:
             res.free_swa.extend(p for p, q in zip(mine, node.l1[SWA]) if p is not None and p != q)
@@ -272,9 +333,6 @@ class RadixTree(TierOps):
         if node.removed or (node is not self.root and node.parent is None):
             raise ValueError(f"{node!r} is not in the tree")
 
-    def _swa_start(self, node: Node) -> int:
-        return max(0, node.end - self.window_pages)
-
     def lock(self, node: Node, component: str) -> None:
         """Pin ``node``'s data of ``component`` (see the module doc for the extent of a lock)."""
         self._check_live(node)
@@ -283,16 +341,16 @@ class RadixTree(TierOps):
             while x is not self.root:
                 x.lock[FULL] += 1
                 if x.lock[FULL] == 1:
-                    self._refresh(x)
+                    self._refresh(x, FULL)
                 x = x.parent
         elif component == SWA:
             if node is not self.root and node.lock[FULL] == 0:
                 raise ValueError(f"lock {FULL} before {SWA}: {node!r}")
-            start, x, top = self._swa_start(node), node, None
+            start, x, top = self.swa_window_start(node), node, None
             while x is not self.root and x.end > start:
                 x.lock[SWA] += 1
                 if x.lock[SWA] == 1:
-                    self._refresh(x)
+                    self._refresh(x, SWA)
                 top, x = x, x.parent
             if top is not None:
                 # Remembered where the window starts so a later split of `top` knows which half it covers.
@@ -317,14 +375,14 @@ class RadixTree(TierOps):
             while x is not self.root:
                 x.lock[FULL] -= 1
                 if x.lock[FULL] == 0:
-                    self._refresh(x)
+                    self._refresh(x, FULL)
                 x = x.parent
         else:
-            start, x, top = self._swa_start(node), node, None
+            start, x, top = self.swa_window_start(node), node, None
             while x is not self.root and x.end > start:
                 x.lock[SWA] -= 1
                 if x.lock[SWA] == 0:
-                    self._refresh(x)
+                    self._refresh(x, SWA)
                 top, x = x, x.parent
             if top is not None:
                 top.swa_lock_starts[start] -= 1
@@ -351,8 +409,8 @@ class RadixTree(TierOps):
             self._events.append(KVEvent("stored" if now else "removed", tier, c, tuple(node.keys)))
             if c == FULL and tier != L3:
                 node.parent.child_full[tier] += 1 if now else -1
-                self._refresh(node.parent)
-        self._refresh(node)
+                self._refresh(node.parent, FULL)
+        self._refresh(node, c)
 
     def _wants(self, node: Node, c: str, tier: str) -> bool:
         """Whether ``node`` belongs in the (c, tier) LRU (module doc, "LRU")."""
@@ -364,14 +422,18 @@ class RadixTree(TierOps):
             return False
         return c == SWA or node.child_full[L1] + node.child_full[L2] == 0
 
-    def _refresh(self, node: Node) -> None:
+    def _refresh(self, node: Node, component: Optional[str] = None) -> None:
+        """Re-file ``node`` in the LRU lists of ``component`` (default: both) after its data, locks or
+        children changed."""
         if node is self.root or node.removed:
             return
-        for (c, t), lru in self._lru.items():
-            if self._wants(node, c, t):
-                lru.add(node)
-            else:
-                lru.discard(node)
+        for c in (component,) if component is not None else COMPONENTS:
+            for t in PAGE_TIERS:
+                lru = self._lru[(c, t)]
+                if self._wants(node, c, t):
+                    lru.add(node)
+                else:
+                    lru.discard(node)
 
     def _split(self, node: Node, k: int) -> Node:
         """Cut ``node`` after its first ``k`` pages; returns the new upper node. The original object
@@ -380,7 +442,7 @@ class RadixTree(TierOps):
         ps, s, parent = self.page_size, node.depth + k, node.parent
         up = Node(parent, node.keys[:k], node.depth, node.tokens[:k * ps] if node.tokens else None,
                   node.last_access)
-        up.hit_count = node.hit_count
+        up.swa_access, up.hit_count = node.swa_access, node.hit_count
         for c in COMPONENTS:
             for lo_store, up_store in ((node.l1, up.l1), (node.l2, up.l2)):
                 if lo_store[c] is not None:

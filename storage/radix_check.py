@@ -2,34 +2,56 @@
 
 O(nodes + locks * depth): for tests and debug builds, not the serving hot path. Raises AssertionError
 naming the broken invariant with the counts involved.
+
+It reads the tree only through the public, read-only ``TreeView`` below (which RadixTree provides), so
+the dependency runs one way: radix.py -> radix_check.py, never back.
 """
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import Iterator, Protocol
 
 from storage.hashing import KEY_BYTES
 from storage.radix_node import COMPONENTS, FULL, L1, L2, PAGE_TIERS, SWA, Node
 
-if TYPE_CHECKING:
-    from storage.radix import RadixTree
+
+class TreeView(Protocol):
+    """What the checker reads of a tree (all of it public API of RadixTree)."""
+
+    root: Node
+    page_size: int
+    num_nodes: int
+
+    def iter_nodes(self) -> Iterator[Node]: ...
+
+    def lock_registry(self) -> Iterator[tuple[str, Node, int]]: ...
+
+    def swa_window_start(self, node: Node) -> int: ...
+
+    def num_pages(self, component: str, tier: str) -> int: ...
+
+    def evictable_pages(self, component: str, tier: str) -> int: ...
+
+    def lru_members(self, component: str, tier: str) -> list[Node]: ...
+
+    def lru_consistent(self, component: str, tier: str) -> bool: ...
 
 
 def _fail(msg: str) -> None:
     raise AssertionError(f"radix integrity: {msg}")
 
 
-def _expected_locks(tree: "RadixTree") -> tuple[dict[int, Counter], dict[int, Counter]]:
+def _expected_locks(tree: TreeView) -> tuple[dict[int, Counter], dict[int, Counter]]:
     """Per node id: expected lock counts, and expected SWA window starts, from the lock registry."""
     locks: dict[int, Counter] = {}
     starts: dict[int, Counter] = {}
-    for (c, d), k in tree._locks.items():
+    for c, d, k in tree.lock_registry():
         if k <= 0:
             _fail(f"lock registry holds {k} {c} locks on {d!r}")
         if d.removed:
             _fail(f"{k} {c} locks held on removed {d!r}")
         x, top = d, None
-        start = tree._swa_start(d)
+        start = tree.swa_window_start(d)
         while x is not tree.root and (c == FULL or x.end > start):
             locks.setdefault(x.id, Counter())[c] += k
             top, x = x, x.parent
@@ -38,7 +60,7 @@ def _expected_locks(tree: "RadixTree") -> tuple[dict[int, Counter], dict[int, Co
     return locks, starts
 
 
-def check_tree(tree: "RadixTree") -> None:
+def check_tree(tree: TreeView) -> None:
     root = tree.root
     if root.keys or root.parent is not None or root.removed:
         _fail("root must have no keys and no parent")
@@ -78,9 +100,10 @@ def check_tree(tree: "RadixTree") -> None:
                 _fail(f"{node!r} counts {node.child_full[t]} children with {FULL}/{t}, has {child_full[t]}")
     if n_nodes != tree.num_nodes:
         _fail(f"num_nodes={tree.num_nodes} but {n_nodes} nodes reachable")
-    for key, n in size.items():
-        if tree._size[key] != n:
-            _fail(f"size of {key} is {tree._size[key]} but nodes hold {n} pages")
+    for c in COMPONENTS:
+        for t in PAGE_TIERS:
+            if tree.num_pages(c, t) != size[(c, t)]:
+                _fail(f"size of {c}/{t} is {tree.num_pages(c, t)} but nodes hold {size[(c, t)]} pages")
     _check_lrus(tree, ids)
 
 
@@ -108,7 +131,7 @@ def _check_node_data(node: Node, parent: Node, root: Node, seen: dict, size: Cou
             size[(c, t)] += len(pages)
 
 
-def _check_node_locks(tree: "RadixTree", node: Node, exp: Counter, exp_starts: Counter) -> None:
+def _check_node_locks(tree: TreeView, node: Node, exp: Counter, exp_starts: Counter) -> None:
     for c in COMPONENTS:
         if node.lock[c] < 0:
             _fail(f"{node!r} has a negative {c} lock count")
@@ -136,12 +159,12 @@ def _should_be_in_lru(node: Node, c: str, t: str) -> bool:
     return held and (c == SWA or not hot_children)
 
 
-def _check_lrus(tree: "RadixTree", live_ids: set[int]) -> None:
+def _check_lrus(tree: TreeView, live_ids: set[int]) -> None:
     nodes = list(tree.iter_nodes())
-    for (c, t), lru in tree._lru.items():
-        if not lru.consistent():
-            _fail(f"LRU {c}/{t} heap disagrees with its members ({len(lru)})")
-        members = {n.id for n in lru.members()}
+    for c, t in ((c, t) for c in COMPONENTS for t in PAGE_TIERS):
+        members = {n.id for n in tree.lru_members(c, t)}
+        if not tree.lru_consistent(c, t):
+            _fail(f"LRU {c}/{t} heap disagrees with its members ({len(members)})")
         if members - live_ids:
             _fail(f"LRU {c}/{t} holds {len(members - live_ids)} evicted/removed nodes")
         pages = 0
@@ -151,9 +174,9 @@ def _check_lrus(tree: "RadixTree", live_ids: set[int]) -> None:
                 _fail(f"{node!r} {'missing from' if want else 'wrongly in'} LRU {c}/{t}")
             if want:
                 pages += node.num_pages
-        if pages != lru.num_pages:
-            _fail(f"LRU {c}/{t} counts {lru.num_pages} pages, members hold {pages}")
+        if pages != tree.evictable_pages(c, t):
+            _fail(f"LRU {c}/{t} counts {tree.evictable_pages(c, t)} pages, members hold {pages}")
     for c in COMPONENTS:
-        both = {n.id for n in tree._lru[(c, L1)].members()} & {n.id for n in tree._lru[(c, L2)].members()}
+        both = {n.id for n in tree.lru_members(c, L1)} & {n.id for n in tree.lru_members(c, L2)}
         if both:
             _fail(f"{len(both)} nodes in both the L1 and the L2 LRU of {c}")

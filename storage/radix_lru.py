@@ -1,10 +1,11 @@
 """Eviction order of the radix tree: one LRUIndex per (component, tier).
 
 A binary heap with lazy deletion instead of an OrderedDict: nodes *enter* a list at arbitrary times
-(a parent becomes a leaf when its last child is evicted) with an old ``last_access``, and an
-OrderedDict would put them at the MRU end. Here the order is always exactly ``(last_access, deeper
+(a parent becomes a leaf when its last child is evicted) with an old access time, and an
+OrderedDict would put them at the MRU end. Here the order is always exactly ``(access time, deeper
 first, node id)`` -- deeper first because a match touches a whole path with one timestamp and a child
-must go before its parent. add/discard/touch are O(log n) (O(1) for discard), pop is amortised
+must go before its parent. The access time is the node's ``last_access`` for full lists and its
+``swa_access`` for SWA lists (a match refreshes SWA only inside its window). add/discard/touch are O(log n) (O(1) for discard), pop is amortised
 O(log n); stale heap entries are dropped when met or when they outnumber live ones.
 """
 from __future__ import annotations
@@ -15,18 +16,19 @@ from typing import Iterator, Optional
 
 from storage.radix_node import Node
 
-_Key = tuple  # (last_access, -end, id)
+_Key = tuple  # (access time, -end, id)
 
 
-def lru_key(node: Node) -> _Key:
-    return (node.last_access, -node.end, node.id)
+def lru_key(node: Node, stamp: str = "last_access") -> _Key:
+    return (getattr(node, stamp), -node.end, node.id)
 
 
 class LRUIndex:
     """The set of nodes currently evictable for one (component, tier), in LRU order."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, stamp: str = "last_access") -> None:
         self.name = name
+        self.stamp = stamp  # the Node attribute ordering this list
         # Entries are (key, seq, node); seq is unique so a re-added node's old entry (same key) is stale.
         self._heap: list[tuple[_Key, int, Node]] = []
         self._key: dict[int, _Key] = {}  # node id -> its current key
@@ -48,8 +50,8 @@ class LRUIndex:
         return self._key.get(node.id)
 
     def add(self, node: Node) -> None:
-        """Insert, or re-key after ``last_access`` changed (no-op when already current)."""
-        key = lru_key(node)
+        """Insert, or re-key after the access time changed (no-op when already current)."""
+        key = (getattr(node, self.stamp), -node.end, node.id)
         old = self._key.get(node.id)
         if old == key:
             return
@@ -60,6 +62,12 @@ class LRUIndex:
         seq = self._seq[node.id] = next(self._counter)
         heapq.heappush(self._heap, (key, seq, node))
         self._maybe_compact()
+
+    def touch(self, node: Node) -> None:
+        """Re-key a member whose access time changed; nothing for a non-member (cheaper than asking
+        the tree whether it belongs, which only data, lock and children changes can alter)."""
+        if node.id in self._key:
+            self.add(node)
 
     def discard(self, node: Node) -> None:
         if self._key.pop(node.id, None) is not None:
@@ -84,7 +92,7 @@ class LRUIndex:
 
     def ordered(self) -> Iterator[Node]:
         """Members in eviction order without mutating (O(n log n): for peeking, not the hot path)."""
-        return iter(sorted(self._nodes.values(), key=lru_key))
+        return iter(sorted(self._nodes.values(), key=lambda n: lru_key(n, self.stamp)))
 
     def _maybe_compact(self) -> None:
         if len(self._heap) > 2 * len(self._key) + 64:
@@ -95,4 +103,4 @@ class LRUIndex:
         """Every member has exactly one live heap entry, keyed by its current key (check_integrity)."""
         live = [(n.id, k) for k, seq, n in self._heap if self._seq.get(n.id) == seq]
         return (len(live) == len(self._key) and len({i for i, _ in live}) == len(live)
-                and all(self._key[i] == k == lru_key(self._nodes[i]) for i, k in live))
+                and all(self._key[i] == k == lru_key(self._nodes[i], self.stamp) for i, k in live))

@@ -35,7 +35,7 @@ class Node:
     """
 
     __slots__ = ("id", "parent", "children", "keys", "tokens", "depth", "l1", "l2", "l3", "lock",
-                 "swa_lock_starts", "last_access", "hit_count", "child_full", "removed")
+                 "swa_lock_starts", "last_access", "swa_access", "hit_count", "child_full", "removed")
 
     def __init__(self, parent: Optional["Node"], keys: list[bytes], depth: int,
                  tokens: Optional[list[int]] = None, now: float = 0.0) -> None:
@@ -51,6 +51,9 @@ class Node:
         self.lock: dict[str, int] = {c: 0 for c in COMPONENTS}
         self.swa_lock_starts: Counter[int] = Counter()
         self.last_access = now
+        # SWA recency apart from full: a match or insert refreshes SWA only inside the window before its
+        # end, so the stale windows of earlier turns age while the path's full data stays hot.
+        self.swa_access = now
         self.hit_count = 0
         self.child_full: dict[str, int] = {L1: 0, L2: 0}
         self.removed = False

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from storage.hashing import SequenceKeys
 from storage.pools import PageAllocator
 from storage.radix import COMPONENTS, FULL, L1, L2, L3, SWA, TIERS, Freed, RadixTree
 
@@ -135,7 +136,9 @@ def test_match_falls_back_to_earlier_swa_run():
     k = t.page_keys(seq(8))
     t.insert(k[:4], [0, 1, 2, 3], swa_last(4, [0, 1]), now=1)  # turn 1: SWA on pages 2..3
     r = t.insert(k, list(range(8)), swa_last(8, [2, 3]), now=2)  # turn 2: SWA on pages 6..7
-    # Same timestamp along the path: the deeper window goes first.
+    # Turn 1's window is stale (turn 2 refreshed SWA only inside its own window); a match ending at
+    # page 4 makes it the recent one, so turn 2's window goes first.
+    assert t.match_prefix(k[:4], now=3).num_pages == 4
     assert sorted(t.evict(SWA, L1, 1)[SWA, L1]) == [2, 3]
     m = t.match_prefix(k, now=3)
     assert (m.num_pages, m.matched_pages) == (4, 8) and m.node.end == 4
@@ -472,10 +475,10 @@ class TreeMachine(RuleBasedStateMachine):
         return nodes[i % len(nodes)] if nodes else None
 
     # -- rules
-    @rule(tokens=token_seqs)
-    def start(self, tokens):
+    @rule(tokens=token_seqs, lazy=st.booleans())
+    def start(self, tokens, lazy=False):
         t = self.tree
-        keys = t.page_keys(tokens)
+        keys = t.sequence_keys(tokens) if lazy else t.page_keys(tokens)
         m = self.checked_match(keys)
         assert m.num_pages <= m.matched_pages <= len(keys)
         assert m.full_l1 + m.full_l2 + m.full_l3 == m.num_pages == len(m.l1_swa)
@@ -499,11 +502,11 @@ class TreeMachine(RuleBasedStateMachine):
         self.reqs[self.next_rid] = Request(keys, m.node, m.l1_full + full, swa, own)
         self.next_rid += 1
 
-    @rule(tokens=token_seqs, write_through=st.booleans(), l3=st.booleans())
-    def serve(self, tokens, write_through, l3):
+    @rule(tokens=token_seqs, write_through=st.booleans(), l3=st.booleans(), lazy=st.booleans())
+    def serve(self, tokens, write_through, l3, lazy):
         """A whole request (start + finish), then the write-through policy backs its path up."""
         rid = self.next_rid
-        self.start(tokens)
+        self.start(tokens, lazy)
         if rid not in self.reqs:
             return
         r = self.finish_request(rid)
@@ -565,16 +568,22 @@ class TreeMachine(RuleBasedStateMachine):
 
     def checked_match(self, keys, window=None):
         w = W if window is None else window
-        want_m, want_tiers = reference_match(self.tree, keys, w)
+        lazy = isinstance(keys, SequenceKeys)
+        # The oracle hashes on its own copy: the lazy keys must come out of the match itself.
+        hashed = self.tree.page_keys(keys.tokens)[:len(keys)] if lazy else keys
+        want_m, want_tiers = reference_match(self.tree, hashed, w)
         m = self.tree.match_prefix(keys, now=self.tick(), window_pages=window)
         assert m.num_pages == want_m and m.node.end == want_m
+        if lazy:  # keys taken from the tree's edges are the ones hashing gives
+            assert keys[:keys.num_known] == hashed[:keys.num_known] and list(keys) == hashed
         assert (m.full_l1, m.full_l2, m.full_l3) == tuple(want_tiers.count(x) for x in (L1, L2, L3))
         assert m.l1_full == [p for n in m.nodes if n.l1[FULL] is not None for p in n.l1[FULL]]
         return m
 
-    @rule(tokens=token_seqs, window=st.sampled_from([None, 0, 1, 3]))
-    def match_only(self, tokens, window):
-        self.checked_match(self.tree.page_keys(tokens), window)
+    @rule(tokens=token_seqs, window=st.sampled_from([None, 0, 1, 3]), lazy=st.booleans())
+    def match_only(self, tokens, window, lazy):
+        t = self.tree
+        self.checked_match(t.sequence_keys(tokens) if lazy else t.page_keys(tokens), window)
 
     @rule(c=st.sampled_from(COMPONENTS), tier=st.sampled_from([L1, L2]), n=st.integers(1, 12),
           write_back=st.booleans())
