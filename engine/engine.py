@@ -349,6 +349,8 @@ class Engine:
                 reason = reason or "prefill"
             if reason is not None:
                 self._finish(req, reason)
+            elif self.hooks is not None and len(req.output_ids) == 1:
+                self.hooks.cache_prompt(req)   # the prompt is whole: cache it before decode slides past
             outs.append(self._step_output(req, [tok], [lps[i]] if lps[i] is not None else [], reason))
         return outs
 

@@ -69,6 +69,38 @@ class PrefixCacheHooks(SchedulerHooks):
         if n_pages > 0:
             self.cache.evict_l1(component, n_pages)
 
+    def cache_prompt(self, req: Request) -> None:
+        """A prompt just finished prefilling and the request decodes on: hand its whole pages to the
+        cache now, as borrowed pages, rather than at finish. By then decode has slid the SWA window
+        past the prompt's end, so a repeat of the prompt (retry, regeneration, n>1 arriving
+        separately) would find no usable window; the tree keeps it (locked while this request runs,
+        then under its LRU), and the request's own SWA footprint shrinks to its tail."""
+        ps = self.cache.page_size
+        n = req.num_computed // ps
+        if n <= req.num_shared_full:
+            return  # the cache already holds every whole page (the prompt ends inside its hit's last)
+        padded = (req.swa_pages + [None] * n)[:n]
+        swa = [p if a * ps >= req.swa_valid_from else None for a, p in enumerate(padded)]
+        keys = req.hit.keys if req.hit is not None else None
+        hit, dup_full, dup_swa = self.cache.insert_and_hold(req.tokens(0, n * ps), req.full_pages[:n], swa,
+                                                            self.clock(), keys)
+        req.full_pages[:n] = hit.full_pages
+        req.num_shared_full = n
+        for a, p in enumerate(swa):
+            if p is not None:  # the tree's now (kept or a duplicate); below the window the request never reads it
+                req.swa_pages[a] = None
+                req.shared_swa.discard(a)
+        for a, q in enumerate(hit.swa_pages):
+            if q is not None:
+                req.swa_pages[a] = q
+                req.shared_swa.add(a)
+        self.pools.full.allocator.free(dup_full)
+        if self.pools.swa.num_pages:
+            self.pools.swa.allocator.free(dup_swa)
+        if req.hit is not None:
+            self.cache.release(req.hit)
+        req.hit = hit
+
     def cache_finished(self, req: Request) -> None:
         """Hand the request's whole computed pages to the cache and free the rest it owns; its borrowed
         prefix stays locked until the scheduler releases it."""

@@ -219,10 +219,13 @@ class Scheduler:
 
     def _swa_keep_from(self, e: int) -> int:
         """First position later steps still need after ``e``. Page-aligned retention (prefix cache on)
-        keeps whole pages: the window before the last page boundary, so the cache can reuse the
-        sequence there, and every page it holds is written from its first position."""
+        keeps whole pages: the window before the last page boundary *before position e - 1*, so the
+        cache can reuse the sequence there, and every page it holds is written from its first position.
+        That boundary, not the last one at or before e: a repeat of a prompt ending on a page boundary
+        can only match up to the page before (its last token is always computed), and the window
+        ending there needs the one page more. Still ``window_pages + 1`` pages at most."""
         if self.swa_page_aligned:
-            return max(0, (e // self.ps - self.geom.window_pages) * self.ps)
+            return max(0, ((e - 1) // self.ps - self.geom.window_pages) * self.ps)
         return self.geom.swa_lo(e)
 
     def check_integrity(self, extra_owners: dict[str, dict[str, list[int]]] | None = None) -> None:

@@ -213,6 +213,34 @@ class HiCache:
                 self._backup(nd, now)
         return res.free_full, res.free_swa
 
+    def insert_and_hold(self, tokens: Sequence[int], full_pages: Sequence[int],
+                        swa_pages: Sequence[Optional[int]], now: float,
+                        keys: Optional[SequenceKeys] = None) -> tuple[PrefixHit, list[int], list[int]]:
+        """``insert`` for a request that keeps running on these pages (a prompt just prefilled): the
+        inserted sequence comes back locked as a hit whose ``full_pages`` / ``swa_pages`` (the last
+        window) are the tree's pages the request must read from now on, with the request's duplicates
+        of them to free. So a repeat of the prompt finds it, window included, however long the first
+        request then decodes."""
+        n = len(full_pages)
+        swa = list(swa_pages) if self.has_swa else [None] * n
+        keys = keys.extended(tokens, n) if keys is not None else self.tree.sequence_keys(tokens, n)
+        res = self.tree.insert(keys, list(full_pages), swa, now=now)
+        hit = PrefixHit(node=res.node, num_pages=n, keys=keys)
+        self._lock(hit)
+        lo = n - self.tree.window_pages if self.has_swa else n
+        for nd in res.node.path():
+            hit.full_pages += nd.l1[FULL]   # an insert leaves its whole path in L1
+            sp = nd.l1[SWA]
+            if nd.end <= lo or sp is None:
+                hit.swa_pages += [None] * nd.num_pages
+            else:
+                cut = max(0, lo - nd.depth)
+                hit.swa_pages += [None] * cut + sp[cut:]
+        if self.cfg is not None and self.cfg.write_policy == "write_through":
+            for nd in res.node.path():
+                self._backup(nd, now)
+        return hit, res.free_full, res.free_swa
+
     # ---- L1 room -----------------------------------------------------------------------------------
     def evict_l1(self, component: str, n_pages: int) -> int:
         """Free at least ``n_pages`` L1 pages of ``component`` if the tree can; returns pages freed.

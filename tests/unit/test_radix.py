@@ -150,6 +150,29 @@ def test_match_falls_back_to_earlier_swa_run():
     t.check_integrity()
 
 
+def test_swa_refresh_is_limited_to_the_window_so_the_live_window_outlives_stale_ones():
+    """Issue #22: match and insert touch the whole path for full, but only the window before their end
+    for SWA. Under SWA pressure the stale window of an earlier turn goes before the live one, so the
+    conversation's next turn still matches all the way."""
+    t = RadixTree(PS, W)
+    a, b = t.page_keys(seq(8)), t.page_keys(seq(2, 500))
+    t.insert(a[:4], [0, 1, 2, 3], swa_last(4, [0, 1]), now=1)      # conversation A, turn 1: window [2, 4)
+    t.insert(b, [10, 11], [10, 11], now=2)                           # conversation B
+    assert t.match_prefix(a, now=3).num_pages == 4                   # A, turn 2 continues from page 4...
+    r = t.insert(a, list(range(8)), swa_last(8, [2, 3]), now=3)      # ...and leaves its window [6, 8)
+    stale, live = [n for n in r.node.path() if n.l1[SWA] is not None]
+    assert (stale.last_access, live.last_access) == (3, 3)          # full: the whole path is hot
+    assert (stale.swa_access, live.swa_access) == (3, 3)            # turn 2's match ended at stale's end
+    t.match_prefix(a, now=4)
+    assert (stale.last_access, stale.swa_access, live.swa_access) == (4, 3, 4)
+    # SWA pressure: B's window (older) and A's stale one go; a whole-path refresh made the stale window
+    # as recent as the live one and, deeper first, evicted the live one instead.
+    assert sorted(t.evict(SWA, L1, 4)[SWA, L1]) == [0, 1, 10, 11]
+    assert t.match_prefix(a, now=5).num_pages == 8
+    assert t.match_prefix(a[:4], now=5).num_pages == 0              # the stale window is gone, as wanted
+    t.check_integrity()
+
+
 def test_match_short_sequence_needs_swa_from_page_zero():
     t, k = tree_and_keys(1)
     t.insert(k, [0], [5], now=1)  # shorter than the window: usable (nothing before page 0)
