@@ -129,6 +129,7 @@ def encode_tokens(tokens: Tokens) -> bytes:
     return enc
 
 
+_LITTLE = sys.byteorder == "little"
 _PAGE_HASHER = hashlib.blake2b(digest_size=KEY_BYTES, person=_PAGE_PERSON)
 
 
@@ -259,9 +260,24 @@ class SequenceKeys(Sequence[bytes]):
             i += self.num_pages
         if not 0 <= i < self.num_pages:
             raise IndexError(f"page {i} of {self.num_pages}")
-        if i >= len(self._keys):
-            self._ensure(i + 1)
-        return self._keys[i]
+        keys = self._keys
+        if i < len(keys):
+            return keys[i]
+        if i == len(keys) and _LITTLE:  # the next page alone (a tree walk's step): skip the general path
+            ps = self.page_size
+            try:
+                enc = array.array("q", self.tokens[i * ps:(i + 1) * ps]).tobytes()
+            except (TypeError, OverflowError):
+                enc = encode_tokens(self.tokens[i * ps:(i + 1) * ps])   # raises the precise error
+            if enc[7::8].translate(None, _NON_NEGATIVE_TOP):
+                encode_tokens(self.tokens[i * ps:(i + 1) * ps])
+            h = _PAGE_HASHER.copy()
+            h.update(keys[-1] if keys else self._root)
+            h.update(enc)
+            keys.append(h.digest())
+            return keys[i]
+        self._ensure(i + 1)
+        return keys[i]
 
     def __iter__(self) -> Iterator[bytes]:
         self._ensure(self.num_pages)
@@ -280,20 +296,30 @@ class SequenceKeys(Sequence[bytes]):
         enc = encode_tokens(self.tokens[have * ps:n * ps])
         self._keys += _chain(self._keys[-1] if have else self._root, enc, 8 * ps, n - have)
 
+    def adopt(self, key: bytes) -> None:
+        """The next page's key, known from elsewhere (a tree edge whose first page has this sequence's
+        tokens under the same parent): taken, not computed."""
+        if len(self._keys) >= self.num_pages:
+            raise IndexError(f"all {self.num_pages} keys are known")
+        self._keys.append(key)
+
     def match_run(self, i: int, keys: Sequence[bytes], tokens: Sequence[int]) -> int:
         """Pages of a run (``keys`` and their ``tokens``, e.g. a tree edge) that this sequence shares
-        from its page ``i``, given that page ``i``'s key equals ``keys[0]``. Equal tokens under an equal
+        from its page ``i``, given that page ``i`` is the run's first page (equal key, or equal tokens under
+        the same parent). Equal tokens under an equal
         key mean equal keys, so the run's keys are taken, not computed."""
         ps, m = self.page_size, min(len(keys), self.num_pages - i)
         toks, a = self.tokens, i * ps
-        if toks[a + ps:a + m * ps] == tokens[ps:m * ps]:  # one C-level comparison in the common case
+        if m == len(keys) and toks[a:a + m * ps] == tokens:  # one C-level comparison in the common case
+            k = m
+        elif toks[a + ps:a + m * ps] == tokens[ps:m * ps]:
             k = m
         else:
             k = 1
             while k < m and toks[a + k * ps:a + (k + 1) * ps] == tokens[k * ps:(k + 1) * ps]:
                 k += 1
         known = len(self._keys)
-        if i < known < i + k:
+        if i <= known < i + k:
             self._keys += keys[known - i:k]
         return k
 

@@ -36,7 +36,7 @@ Rules (checked by ``check_integrity``, see storage/radix_check.py):
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 from storage.hashing import DEFAULT_SEED, Seed, SequenceKeys, page_keys
 from storage.radix_check import check_tree
@@ -44,6 +44,7 @@ from storage.radix_lru import LRUIndex
 from storage.radix_node import (COMPONENTS, FULL, L1, L2, L3, PAGE_TIERS, SWA, TIERS, Freed, InsertResult,
                                 KVEvent, MatchResult, Node)
 from storage.radix_tiers import OnEvict, TierOps
+from storage.radix_view import ReadOps
 
 
 def _common(edge: list[bytes], keys: Sequence[bytes], i: int) -> int:
@@ -57,6 +58,10 @@ def _common(edge: list[bytes], keys: Sequence[bytes], i: int) -> int:
     return k
 
 
+_SCAN_CHILDREN = 8
+"""Up to this many children, a tree walk finds the next child by its tokens instead of hashing a page."""
+
+
 def _run(swa: list, i: int, limit: int) -> int:
     """Length of the run starting at ``i`` (before ``limit``) where SWA pages are all given or all None."""
     given = swa[i] is not None
@@ -66,7 +71,7 @@ def _run(swa: list, i: int, limit: int) -> int:
     return j - i
 
 
-class RadixTree(TierOps):
+class RadixTree(TierOps, ReadOps):
     """Page-granular radix tree over page keys (storage/hashing.py).
 
     ``window_pages`` (W) is how many pages before a match point must hold SWA data for the match to be
@@ -84,6 +89,7 @@ class RadixTree(TierOps):
         self.root = Node(None, [], 0)
         self._lru = {(c, t): LRUIndex(f"{c}/{t}", "last_access" if c == FULL else "swa_access")
                      for c in COMPONENTS for t in PAGE_TIERS}
+        self._full_lrus = tuple(self._lru[(FULL, t)] for t in PAGE_TIERS)
         self._locks: Counter[tuple[str, Node]] = Counter()  # (component, node) -> lock() calls held
         self._events: list[KVEvent] = []
         self._size = {(c, t): 0 for c in COMPONENTS for t in PAGE_TIERS}
@@ -111,54 +117,9 @@ class RadixTree(TierOps):
         out, self._events = self._events, []
         return out
 
-    def num_pages(self, component: str, tier: str) -> int:
-        """Pages of ``component`` the tree holds in page tier ``tier``."""
-        return self._size[(component, tier)]
-
-    def evictable_pages(self, component: str, tier: str) -> int:
-        """Pages currently in the (component, tier) LRU (full: leaves only; more become evictable)."""
-        return self._lru[(component, tier)].num_pages
-
-    def iter_nodes(self) -> Iterator[Node]:
-        """Every node but the root, parents before children."""
-        stack = list(self.root.children.values())
-        while stack:
-            n = stack.pop()
-            yield n
-            stack.extend(n.children.values())
-
-    def all_pages(self, component: str, tier: str) -> list[int]:
-        out: list[int] = []
-        for n in self.iter_nodes():
-            p = n.pages(component, tier)
-            if p is not None:
-                out.extend(p)
-        return out
-
-    def owners(self, tier: str = L1, name: str = "tree") -> dict[str, dict[str, list[int]]]:
-        """``{component: {name: pages}}``, the shape KVPools.check_integrity(owners) takes."""
-        return {c: {name: self.all_pages(c, tier)} for c in COMPONENTS}
-
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant of the module doc (or of the bookkeeping) is broken."""
         check_tree(self)
-
-    # ------------------------------------------------------------------ read-only view (radix_check)
-
-    def lock_registry(self) -> Iterator[tuple[str, Node, int]]:
-        """``(component, node, count)`` for every ``lock(node, component)`` still held."""
-        return ((c, node, k) for (c, node), k in self._locks.items())
-
-    def swa_window_start(self, node: Node) -> int:
-        """First page of the SWA window a lock on ``node`` covers."""
-        return max(0, node.end - self.window_pages)
-
-    def lru_members(self, component: str, tier: str) -> list[Node]:
-        return self._lru[(component, tier)].members()
-
-    def lru_consistent(self, component: str, tier: str) -> bool:
-        """Whether the (component, tier) LRU's heap agrees with its members and their current keys."""
-        return self._lru[(component, tier)].consistent()
 
     # ------------------------------------------------------------------ match / insert
 
@@ -176,8 +137,9 @@ class RadixTree(TierOps):
         path: list[tuple[Node, int]] = []  # (node, pages of it matched)
         cur, i = self.root, 0
         by_tokens = isinstance(keys, SequenceKeys) and keys.page_size == self.page_size
-        while i < len(keys):
-            child = cur.children.get(keys[i])
+        n_keys = len(keys)
+        while i < n_keys:
+            child = self._child(cur, keys, i) if by_tokens else cur.children.get(keys[i])
             if child is None:
                 break
             if by_tokens and child.tokens is not None:
@@ -186,14 +148,14 @@ class RadixTree(TierOps):
                 k = _common(child.keys, keys, i)
             path.append((child, k))
             i += k
-            if k < child.num_pages:
+            if k < len(child.keys):
                 break
             cur = child
         res = MatchResult(node=self.root, matched_pages=i)
         # m may only end right after a SWA-present run that is >= W long or starts at page 0.
         best, run_start = -1, None
         for idx, (node, k) in enumerate(path):
-            if node.has_any(SWA):
+            if node.l1[SWA] is not None or node.l2[SWA] is not None or node.l3[SWA]:
                 run_start = node.depth if run_start is None else run_start
                 if w == 0 or run_start == 0 or node.depth + k - run_start >= w:
                     best = idx
@@ -208,19 +170,24 @@ class RadixTree(TierOps):
             last = self._split(last, k)
         nodes = [n for n, _ in path[:best]] + [last]
         res.node, res.nodes, res.num_pages = last, nodes, last.end
-        for n in nodes:
-            tier = n.best_tier(FULL)
-            if tier == L1:
-                res.full_l1 += n.num_pages
-                res.l1_full.extend(n.l1[FULL])
-            elif tier == L2:
-                res.full_l2 += n.num_pages
+        full_l1, l1_full, l1_swa = 0, res.l1_full, res.l1_swa
+        full_lrus = self._full_lrus
+        for n in nodes:  # the hot loop of every request: attribute reads inlined
+            pages = n.l1[FULL]
+            if pages is not None:
+                full_l1 += len(pages)
+                l1_full += pages
+            elif n.l2[FULL] is not None:
+                res.full_l2 += len(n.keys)
             else:
-                res.full_l3 += n.num_pages
-            res.l1_swa.extend(n.l1[SWA] if n.l1[SWA] is not None else [None] * n.num_pages)
+                res.full_l3 += len(n.keys)
+            swa = n.l1[SWA]
+            l1_swa += swa if swa is not None else [None] * len(n.keys)
             n.last_access = now
             n.hit_count += 1
-            self._touch(n, FULL)
+            for lru in full_lrus:
+                lru.touch(n)
+        res.full_l1 = full_l1
         self._touch_window(nodes, now)
         res.swa_window = left = min(w, res.num_pages)
         swa_tiers = {t: 0 for t in TIERS}
@@ -262,7 +229,7 @@ class RadixTree(TierOps):
         res = InsertResult(node=self.root)
         cur, i = self.root, 0
         while i < n:
-            child = cur.children.get(keys[i])
+            child = self._child(cur, keys, i) if by_tokens else cur.children.get(keys[i])
             if child is None:
                 break
             if by_tokens and child.tokens is not None:
@@ -307,6 +274,27 @@ class RadixTree(TierOps):
                 break
             node.swa_access = now
             self._touch(node, SWA)
+
+    def _child(self, cur: Node, keys: SequenceKeys, i: int) -> Optional[Node]:
+        """The child of ``cur`` that page ``i`` of ``keys`` continues into. Below the root a few children
+        are told apart by their first page's tokens (under one parent the chain is the same, so equal
+        tokens mean an equal key) and page ``i`` is not hashed; the root's children may come from other
+        seeds or salts, and many children are faster through the dict."""
+        children = cur.children
+        if cur is not self.root and len(children) <= _SCAN_CHILDREN:
+            ps = self.page_size
+            page = keys.tokens[i * ps:(i + 1) * ps]
+            hashed_only = False
+            for ch in children.values():
+                if ch.tokens is None:
+                    hashed_only = True
+                elif ch.tokens[:ps] == page:
+                    if keys.num_known == i:
+                        keys.adopt(ch.keys[0])
+                    return ch
+            if not hashed_only:
+                return None
+        return children.get(keys[i])
 
     def _absorb(self, node: Node, i: int, full: list, swa: list, toks: Optional[list],
                 res: InsertResult, now: float) -> None:
@@ -412,28 +400,28 @@ class RadixTree(TierOps):
                 self._refresh(node.parent, FULL)
         self._refresh(node, c)
 
-    def _wants(self, node: Node, c: str, tier: str) -> bool:
-        """Whether ``node`` belongs in the (c, tier) LRU (module doc, "LRU")."""
-        if node.lock[c] or node.pages(c, tier) is None:
-            return False
-        if tier == L1:
-            return c == SWA or node.child_full[L1] == 0
-        if node.l1[c] is not None:
-            return False
-        return c == SWA or node.child_full[L1] + node.child_full[L2] == 0
-
     def _refresh(self, node: Node, component: Optional[str] = None) -> None:
         """Re-file ``node`` in the LRU lists of ``component`` (default: both) after its data, locks or
         children changed."""
         if node is self.root or node.removed:
             return
+        lrus = self._lru
         for c in (component,) if component is not None else COMPONENTS:
-            for t in PAGE_TIERS:
-                lru = self._lru[(c, t)]
-                if self._wants(node, c, t):
-                    lru.add(node)
-                else:
-                    lru.discard(node)
+            # The membership rule of the module doc ("LRU") for both tiers; runs on every data and lock change.
+            if node.lock[c]:
+                lrus[(c, L1)].discard(node)
+                lrus[(c, L2)].discard(node)
+                continue
+            leaf = c == SWA or not node.child_full[L1]
+            l1 = node.l1[c] is not None
+            if l1 and leaf:
+                lrus[(c, L1)].add(node)
+            else:
+                lrus[(c, L1)].discard(node)
+            if not l1 and node.l2[c] is not None and (leaf and (c == SWA or not node.child_full[L2])):
+                lrus[(c, L2)].add(node)
+            else:
+                lrus[(c, L2)].discard(node)
 
     def _split(self, node: Node, k: int) -> Node:
         """Cut ``node`` after its first ``k`` pages; returns the new upper node. The original object

@@ -1,0 +1,68 @@
+"""Read-only queries of the radix tree: sizes, nodes, pages, locks and LRU membership.
+
+A mixin only to keep storage/radix.py short: it reads RadixTree's state (``root``, ``_size``, ``_lru``,
+``_locks``, ``window_pages``). It is also the public view storage/radix_check.py checks the tree
+through (radix_check.TreeView), so the checker never reaches into the tree's privates.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Iterator
+
+from storage.radix_node import COMPONENTS, L1, Node
+
+if TYPE_CHECKING:
+    from storage.radix_lru import LRUIndex
+
+
+class ReadOps:
+    """num_pages / evictable_pages / iter_nodes / all_pages / owners and the checker's view."""
+
+    root: Node
+    window_pages: int
+    _size: dict[tuple[str, str], int]
+    _lru: dict[tuple[str, str], "LRUIndex"]
+    _locks: Counter
+
+    def num_pages(self, component: str, tier: str) -> int:
+        """Pages of ``component`` the tree holds in page tier ``tier``."""
+        return self._size[(component, tier)]
+
+    def evictable_pages(self, component: str, tier: str) -> int:
+        """Pages currently in the (component, tier) LRU (full: leaves only; more become evictable)."""
+        return self._lru[(component, tier)].num_pages
+
+    def iter_nodes(self) -> Iterator[Node]:
+        """Every node but the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def all_pages(self, component: str, tier: str) -> list[int]:
+        out: list[int] = []
+        for n in self.iter_nodes():
+            p = n.pages(component, tier)
+            if p is not None:
+                out.extend(p)
+        return out
+
+    def owners(self, tier: str = L1, name: str = "tree") -> dict[str, dict[str, list[int]]]:
+        """``{component: {name: pages}}``, the shape KVPools.check_integrity(owners) takes."""
+        return {c: {name: self.all_pages(c, tier)} for c in COMPONENTS}
+
+    def lock_registry(self) -> Iterator[tuple[str, Node, int]]:
+        """``(component, node, count)`` for every ``lock(node, component)`` still held."""
+        return ((c, node, k) for (c, node), k in self._locks.items())
+
+    def swa_window_start(self, node: Node) -> int:
+        """First page of the SWA window a lock on ``node`` covers."""
+        return max(0, node.end - self.window_pages)
+
+    def lru_members(self, component: str, tier: str) -> list[Node]:
+        return self._lru[(component, tier)].members()
+
+    def lru_consistent(self, component: str, tier: str) -> bool:
+        """Whether the (component, tier) LRU's heap agrees with its members and their current keys."""
+        return self._lru[(component, tier)].consistent()
