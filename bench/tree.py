@@ -32,6 +32,12 @@ PAGE, WINDOW, VOCAB = 16, 128, 32_000
 CONVS, ROUNDS = 100, 6
 TARGETS = {"hit_rate": 0.578, "requests/s": 1140, "match/s hashed": 53_500, "insert/s": 13_100}
 """SGLang 0.5.23's radix cache on this workload and machine kind (issue #22)."""
+BEFORE = {"tree": {"hit_rate": 0.5315, "requests/s": 4371, "match/s": 59668, "match/s hashed": 7360,
+                   "insert/s": 21486},
+          "hicache": {"hit_rate": 0.5315, "requests/s": 2737, "match/s": 52429, "match/s hashed": 6579,
+                      "insert/s": 6184}}
+"""This bench at commit 76d848b (before issue #22's changes), same machine. Its bare-tree insert/s is not
+comparable: the match then hashed the whole prompt up front, so the insert it timed hashed nothing."""
 
 
 def workload(seed: int = 0, convs: int = CONVS, rounds: int = ROUNDS) -> list[list[list[int]]]:
@@ -224,7 +230,8 @@ def main() -> None:
         if not args.quick:
             profiles[kind.name] = profile_summary(kind, rounds)
     cols = ["path", "hit_rate", "requests/s", "match/s", "match/s hashed", "insert/s"]
-    rows = [{"path": name, **r} for name, r in results.items()]
+    rows = [{"path": f"{name} (before)", **BEFORE[name]} for name in results]
+    rows += [{"path": name, **r} for name, r in results.items()]
     rows.append({"path": "target", **TARGETS})
     print(table(rows, cols))
     for name, prof in profiles.items():
@@ -234,7 +241,8 @@ def main() -> None:
     write_json("tree", {"workload": {"conversations": CONVS, "rounds": ROUNDS, "page_size": PAGE,
                                      "window": WINDOW, "vocab": VOCAB, "seed": 0},
                         "repetitions": reps, "note": "rates are the best of the repetitions",
-                        "results": results, "targets": TARGETS, "met": met, "profile": profiles})
+                        "results": results, "before": BEFORE, "targets": TARGETS, "met": met,
+                        "profile": profiles})
 
 
 if __name__ == "__main__":
