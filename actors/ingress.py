@@ -50,7 +50,11 @@ class RayBackend:
                     and not {pin.get("prefill"), pin.get("decode")} & set(avoid):
                 choice = {"prefill": pin["prefill"], "decode": pin.get("decode")}
             else:
-                choice = await self._route(keys, len(ids), avoid)
+                r = await self._route(keys, len(ids), avoid)
+                choice = {"prefill": r.prefill, "decode": r.decode}
+            for w in (choice["prefill"], choice["decode"]):
+                if w is not None and w not in self.workers:   # scaled out since this replica started
+                    self.workers[w] = await asyncio.get_running_loop().run_in_executor(None, self._lookup, w)
         except ray.exceptions.RayError as e:
             raise ServiceUnavailable(f"no route: {str(e).splitlines()[-1][:200]}") from None
         for w in {choice["prefill"], choice["decode"]} & set(avoid):
@@ -63,7 +67,12 @@ class RayBackend:
             raise WorkerFailed(str(e).splitlines()[0][:300],
                                tuple(w for w in (choice["prefill"], choice["decode"]) if w)) from None
 
-    async def _route(self, keys, n: int, avoid: tuple[str, ...], wait: float = 10.0) -> dict:
+    def _lookup(self, worker: str):
+        """The handle of a worker this replica has not seen (added by ``strata scale``), by its name."""
+        ns = self.settings.ray.namespace if self.settings is not None else "strata"
+        return ray.get_actor(f"strata-{worker}", namespace=ns)
+
+    async def _route(self, keys, n: int, avoid: tuple[str, ...], wait: float = 10.0):
         """Ask the router; a router that has just restarted knows no worker until their next reports
         (every report interval), so "no prefill/decode worker" is retried for a few seconds rather than
         failing."""
@@ -170,7 +179,24 @@ class RayBackend:
         live = [w for w, s in st["workers"].items() if s["age_s"] < 3]
         return {"ok": bool(live), "workers": live, "indexed_pages": st["indexed_pages"]}
 
+    async def _sync_workers(self) -> dict:
+        """The workers the router knows now (scale out adds, scale in removes): handles by name."""
+        try:
+            st = await asyncio.wait_for(self.router.status.remote(), 5)
+        except Exception:   # noqa: BLE001 - keep the set we have
+            return self.workers
+        known = set(st["workers"])
+        for w in [w for w in self.workers if w not in known]:
+            del self.workers[w]
+        for w in known - set(self.workers):
+            try:
+                self.workers[w] = await asyncio.get_running_loop().run_in_executor(None, self._lookup, w)
+            except ValueError:   # gone meanwhile
+                pass
+        return self.workers
+
     async def flush_cache(self) -> bool:
+        await self._sync_workers()
         res = await asyncio.gather(*(w.flush_cache.remote() for w in self.workers.values()),
                                    return_exceptions=True)
         return all(r is True for r in res)
@@ -195,6 +221,7 @@ class RayBackend:
                 for d, n in load.get("kv_moved_bytes", {}).items():
                     out[f'strata_kv_moved_bytes|{lab[:-1]},direction="{d}"}}'] = n
         out.update(await self._eplb_gauges())
+        await self._sync_workers()
         res = await asyncio.gather(*(asyncio.wait_for(h.transfer_stats.remote(), 2) for h in self.workers.values()),
                                    return_exceptions=True)
         for w, t in zip(self.workers, res):

@@ -197,6 +197,26 @@ class WorkerActor:
     async def ping(self) -> str:
         return self.worker_id
 
+    async def settings(self) -> tuple:
+        """(EngineConfig, TransferConfig) this worker runs with: what a worker added by ``strata scale``
+        is created with (the L3 connection info included)."""
+        return self.core.engine.cfg, self.tcfg
+
+    async def drained(self) -> dict:
+        """Scale-in: whether nothing runs or waits here and no lease is held; once so, the cache's
+        pending write-through copies (L1->L2->L3) are finished first, so the pages outlive the worker."""
+        def check(e: Engine) -> dict:
+            s = e.scheduler
+            busy = len(s.running) + len(s.waiting) + e.leases.stats()["live"]
+            if not busy and e.cache is not None:
+                e.cache.poll(block=True)
+            return {"busy": busy}
+        return await self.core.call(check)
+
+    async def node(self) -> str:
+        """The Ray node this worker runs on (placement checks, node-loss handling)."""
+        return ray.get_runtime_context().get_node_id()
+
     # ---- experts (EPLB) --------------------------------------------------------------------------
     async def expert_load(self) -> dict | None:
         """Cumulative expert counters, read on the engine thread between steps (None without slots):

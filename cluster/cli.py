@@ -4,6 +4,7 @@
     strata demo [--prompt TEXT ...]    # offline generation through the Engine API
     strata bench [--quick]             # engine throughput table (bench/engine.py)
     strata rebalance [--address ADDR]  # rebalance the experts of a running cluster now (EPLB)
+    strata scale --prefill N --decode M [--address ADDR]   # add or drain workers while serving
 """
 from __future__ import annotations
 
@@ -50,6 +51,43 @@ def _bench(args: argparse.Namespace) -> int:
     import subprocess
 
     return subprocess.call([sys.executable, "-m", "bench.engine"] + (["--quick"] if args.quick else []))
+
+
+def _connect(args: argparse.Namespace):
+    """(config, started) after connecting to the running cluster named by --address / RAY_ADDRESS."""
+    import os
+
+    from cluster import launch  # noqa: F401  (sets the Ray environment before ray is imported)
+    from cluster.config import load_config
+    import ray
+
+    cfg = load_config(args.config)
+    if ray.is_initialized():
+        return cfg, False
+    address = args.address or os.environ.get("RAY_ADDRESS") or cfg.ray.address
+    if not address:
+        raise ValueError("no cluster to talk to: pass --address (the Ray address `strata serve` printed) "
+                         "or set RAY_ADDRESS")
+    ray.init(address=address, namespace=cfg.ray.namespace, log_to_driver=False)
+    return cfg, True
+
+
+def _scale(args: argparse.Namespace) -> int:
+    targets = {r: n for r, n in (("prefill", args.prefill), ("decode", args.decode)) if n is not None}
+    if not targets:
+        raise ValueError("say how many: --prefill N and/or --decode M")
+    import ray
+
+    from cluster.scale import scale
+    cfg, started = _connect(args)
+    try:
+        res = scale(cfg, targets, drain_timeout=args.drain_timeout)
+    finally:
+        if started:
+            ray.shutdown()
+    print(f"strata: added {res.added or 'none'}, drained and removed {res.removed or 'none'} "
+          f"in {res.seconds:.1f}s")
+    return 0
 
 
 def _rebalance(args: argparse.Namespace) -> int:
@@ -124,6 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--address", default=None, help="Ray address of the cluster (default: RAY_ADDRESS)")
     r.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the rebalance")
     r.set_defaults(fn=_rebalance)
+    c = sub.add_parser("scale", help="add or drain prefill/decode workers of a running cluster")
+    c.add_argument("--prefill", type=int, default=None, help="prefill workers wanted")
+    c.add_argument("--decode", type=int, default=None, help="decode workers wanted")
+    c.add_argument("--config", default=None, help="the cluster's YAML (namespace, placement)")
+    c.add_argument("--address", default=None, help="Ray address of the cluster (default: RAY_ADDRESS)")
+    c.add_argument("--drain-timeout", type=float, default=120.0, help="seconds a removed worker may drain")
+    c.set_defaults(fn=_scale)
     args = ap.parse_args(argv)
     try:
         return args.fn(args)

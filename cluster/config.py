@@ -11,6 +11,7 @@ import yaml
 
 from actors.routing import RouterConfig
 from actors.storage import StorageConfig
+from cluster.placement import ROLES as PLACED_ROLES, PlacementConfig, RolePlacement
 from engine.config import EngineConfig
 from engine.eplb import EplbConfig
 from storage.config import HiCacheConfig
@@ -92,6 +93,7 @@ class ClusterConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)   # the L3 StorageActor (actors/storage.py)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)   # which node runs what (cluster/placement.py)
 
 
 def _build(cls, data: Any, path: str):
@@ -118,7 +120,8 @@ _NESTED = {(HiCacheConfig, "l3"): L3Config, (L3Config, "mooncake"): MooncakeConf
            (ClusterConfig, "router"): RouterConfig, (ClusterConfig, "server"): ServerConfig,
            (ClusterConfig, "ray"): RayConfig, (EngineConfig, "hicache"): HiCacheConfig,
            (ClusterConfig, "transfer"): TransferConfig, (EngineConfig, "eplb"): EplbConfig,
-           (ClusterConfig, "storage"): StorageConfig}
+           (ClusterConfig, "storage"): StorageConfig, (ClusterConfig, "placement"): PlacementConfig,
+           **{(PlacementConfig, r): RolePlacement for r in PLACED_ROLES}}
 
 
 def from_dict(data: dict) -> ClusterConfig:

@@ -30,14 +30,12 @@ set_ray_env()
 
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
-from ray.util.placement_group import placement_group  # noqa: E402
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
 
 from actors.eplb import start_rebalancer  # noqa: E402
 from actors.ingress import Ingress  # noqa: E402
 from actors.router import PrefixRouterActor  # noqa: E402
 from actors.storage import StorageActor  # noqa: E402
-from actors.worker import WorkerActor  # noqa: E402
+from cluster import workers as wk  # noqa: E402
 from cluster.config import ClusterConfig, load_config, with_model  # noqa: E402
 from engine.model.config import ModelConfig  # noqa: E402
 from engine.model.loader import resolve_model_path  # noqa: E402
@@ -80,7 +78,9 @@ def deploy(cfg: ClusterConfig, detached: bool = False, ready_timeout: float = 12
     """Create router, workers and ingress; returns their handles once every worker has reported."""
     handles = start_actors(cfg, detached=detached, ready_timeout=ready_timeout)
     s = cfg.server
-    serve.start(http_options={"host": s.host, "port": s.port})
+    # One HTTP proxy, on the launching node: Serve's default (one per node) would have every raylet of a
+    # one-machine cluster bind the same host:port, and the server's address is the launching node's.
+    serve.start(http_options={"host": s.host, "port": s.port}, proxy_location="HeadOnly")
     serve.run(ingress_app(cfg, handles), name="strata", route_prefix="/", blocking=False)
     return handles
 
@@ -100,7 +100,8 @@ def start_actors(cfg: ClusterConfig, detached: bool = False, ready_timeout: floa
     hc = engine_cfg.hicache
     l3_model = model_id(path, mc, engine_cfg) if hc is not None and hc.l3 is not None else None
     router = PrefixRouterActor.options(name="strata-router", namespace=ns, num_cpus=0.1, get_if_exists=True,
-                                       **life).remote(cfg.router, geometry, l3_model=l3_model)
+                                       **wk.place_service(cfg, "router"), **life).remote(
+        cfg.router, geometry, l3_model=l3_model)
     storage = _start_storage(cfg, router, life)
     if storage is not None:   # workers open L3 with the storage actor's connection info
         l3 = ray.get(storage.worker_config.remote(), timeout=ready_timeout)
@@ -108,41 +109,20 @@ def start_actors(cfg: ClusterConfig, detached: bool = False, ready_timeout: floa
     roles = ([("colocated", i) for i in range(cfg.workers.colocated)]
              + [("prefill", i) for i in range(cfg.workers.prefill)]
              + [("decode", i) for i in range(cfg.workers.decode)])
-    w = cfg.workers
-    pg = None
-    if get_if_exists and detached:
-        try:
-            pg = ray.util.get_placement_group("strata-workers")
-        except ValueError:
-            pg = None
-    if pg is None:
-        pg = placement_group([w.bundle(role) for role, _ in roles], strategy="PACK",
-                             name="strata-workers" if detached else "",
-                             lifetime="detached" if detached else None)
-    ray.get(pg.ready(), timeout=ready_timeout)
-    workers = {}
-    for i, (role, n) in enumerate(roles):
+    # Each worker on the node the placement policy picks (cluster/placement.py), counting those that
+    # already run (a Serve app builder or an adopting job finds them by name).
+    workers, on = {}, {}
+    for role, n in roles:
         wid = f"{role}-{n}"
-        workers[wid] = WorkerActor.options(
-            name=f"strata-{wid}", namespace=ns, get_if_exists=get_if_exists, num_cpus=w.num_cpus,
-            num_gpus=w.num_gpus, resources=w.role_resource(role), **life,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-        ).remote(wid, role, engine_cfg, router, transfer_cfg=cfg.transfer, storage=storage)
+        workers[wid] = wk.spawn(cfg, wid, role, engine_cfg, router, storage, on, life, get_if_exists)
     ray.get([a.start.remote() for a in workers.values()], timeout=ready_timeout)
     if storage is not None:
         storage.attach.remote(workers)
-    deadline = time.monotonic() + ready_timeout
-    while time.monotonic() < deadline:
-        st = ray.get(router.status.remote())
-        if set(st["workers"]) >= set(workers):
-            break
-        time.sleep(0.1)
-    else:
-        raise TimeoutError("workers did not report to the router in time")
+    wk.wait_reported(router, workers, ready_timeout)
     eplb = (start_rebalancer(cfg.engine.eplb, workers, len(mc.moe_layer_ids), mc.num_local_experts, detached, ns)
             if cfg.engine.eplb is not None else None)
     s = cfg.server
-    return {"router": router, "workers": workers, "placement_group": pg,
+    return {"router": router, "workers": workers, "engine_config": engine_cfg,
             "url": f"http://{s.host}:{s.port}", "model_path": str(path), "model_config": mc,
             "eplb": eplb, "storage": storage}
 
@@ -163,7 +143,7 @@ def _start_storage(cfg: ClusterConfig, router, life: dict):
     if hc is None or hc.l3 is None or not cfg.storage.enabled:
         return None
     storage = StorageActor.options(name="strata-storage", namespace=cfg.ray.namespace, get_if_exists=True,
-                                   num_cpus=cfg.storage.num_cpus, **life).remote(hc.l3, cfg.storage, router)
+                                   num_cpus=cfg.storage.num_cpus, **wk.place_service(cfg, "storage"), **life).remote(hc.l3, cfg.storage, router)
     return storage
 
 
@@ -173,7 +153,7 @@ def shutdown(handles: dict | None = None) -> None:
     except Exception:
         pass
     if handles:
-        for a in list(handles["workers"].values()) + [handles["router"]]:
+        for a in list(_all_workers(handles).values()) + [handles["router"]]:
             ray.kill(a, no_restart=True)
         if handles.get("eplb") is not None:
             ray.kill(handles["eplb"], no_restart=True)
@@ -183,6 +163,22 @@ def shutdown(handles: dict | None = None) -> None:
             except Exception:
                 pass
             ray.kill(handles["storage"], no_restart=True)
+
+
+def _all_workers(handles: dict) -> dict:
+    """The workers deployed, plus any that ``strata scale`` added since (detached: found by name)."""
+    out = dict(handles["workers"])
+    try:
+        st = ray.get(handles["router"].status.remote(), timeout=10)
+        ns = ray.get_runtime_context().namespace
+        for w in set(st["workers"]) - set(out):
+            try:
+                out[w] = ray.get_actor(wk.actor_name(w), namespace=ns)
+            except ValueError:
+                pass
+    except Exception:  # noqa: BLE001 - a dead router: the deployed ones are what we know
+        pass
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

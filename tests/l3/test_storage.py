@@ -193,7 +193,7 @@ def test_storage_actor_shell_with_router(tmp_path):
                                      {"queued_tokens": 0, "running": 0}, True))
 
         def l3_pages() -> int:
-            return ray.get(router.route.remote(keys, 16 * 21))["by_tier"]["L3"]
+            return ray.get(router.route.remote(keys, 16 * 21)).by_tier["L3"]
 
         # 20 pages > 60% of the cap: the evictor thread trims to 30% and the router follows.
         assert _wait(lambda: l3_pages() < 20, 60.0)
