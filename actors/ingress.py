@@ -109,14 +109,14 @@ class RayBackend:
         # (storage/transfer); the decode worker commits the lease and streams. Any failure on the way
         # cancels the lease (and an unanswered one expires on its own), so no page is stranded.
         try:
-            dest = await asyncio.wait_for(dec.reserve.remote(len(ids)), self.timeout)
+            dest = await asyncio.wait_for(dec.reserve.remote(len(ids), pre), self.timeout)
         except ray.exceptions.RayTaskError as e:
             raise _unwrap(e) from None
         except asyncio.TimeoutError:
             raise ServiceUnavailable(f"decode worker {choice['decode']} did not reserve in time") from None
         committed = False
         try:
-            first_ref, sent_ref = pre.prefill_to.remote(ids, params, dest)
+            first_ref, sent_ref = pre.prefill_to.remote(ids, params, dest, dec)
             try:
                 first: StreamItem = await asyncio.wait_for(first_ref, self.timeout)
             except ray.exceptions.RayTaskError as e:

@@ -54,6 +54,11 @@ class StorageConfig:
             raise ValueError(f"storage.low_water ({self.low_water}) must be <= high_water ({self.high_water})")
 
 
+def _here(host: str) -> str:
+    """``auto``: this node's IP (each process advertises where it runs; workers resolve their own)."""
+    return ray.util.get_node_ip_address() if host == "auto" else host
+
+
 class StorageService:
     def __init__(self, l3: L3Config, cfg: StorageConfig | None = None, log_dir: str | None = None) -> None:
         if not isinstance(l3, L3Config):
@@ -77,7 +82,8 @@ class StorageService:
             # Its segment is the whole ``capacity_bytes`` whatever ``segment_bytes`` (a worker's own) says.
             self.client = MooncakeStore(dataclasses.replace(
                 l3, mooncake=dataclasses.replace(l3.mooncake, master_addr=self.master.addr, preferred_segment="",
-                                                 segment_bytes=l3.capacity_bytes)))
+                                                 segment_bytes=l3.capacity_bytes,
+                                                 local_hostname=_here(l3.mooncake.local_hostname))))
         elif l3.backend == "file" or l3.nixl.mode == "posix":
             from storage.l3.file import FileStore
             # The evictor's own view of the directory (a plain file store: the bytes are the same).

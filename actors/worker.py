@@ -19,6 +19,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine, StreamItem
 from storage.transfer import Destination, TransferConfig, TransferError, make_backend
 from storage.transfer.ray_object import unpack
+from storage.transfer.sends import SendRecord
 
 log = logging.getLogger("strata.worker")
 
@@ -31,6 +32,7 @@ class WorkerActor:
         if role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"role must be prefill, decode or colocated, got {role!r}")
         self.worker_id, self.role = worker_id, role
+        engine_cfg, transfer_cfg = resolve_hosts(engine_cfg, transfer_cfg)
         self.core = AsyncEngine(Engine(engine_cfg), worker_id)
         self.router = router
         self.report_interval = report_interval
@@ -42,10 +44,14 @@ class WorkerActor:
         # side a sweep that frees the pages of expired leases even when nobody calls.
         self.tcfg = transfer_cfg or TransferConfig()
         self.transfer = None
+        self.sends = SendRecord()
         if role != "colocated":
             self.transfer = make_backend(self.tcfg, role, self.core.engine.pools, f"strata-{worker_id}-{uuid.uuid4().hex[:8]}")
+            self.transfer.on_send_ended = self._send_ended
         if role == "decode":
             threading.Thread(target=self._lease_loop, name="strata-leases", daemon=True).start()
+        if role == "prefill" and self.transfer.one_sided:
+            threading.Thread(target=self._reap_loop, name="strata-reap", daemon=True).start()
         # Mooncake L3: pages go to the storage actor's segment, which is new after that actor restarts (and
         # a restarted worker was built with the first one): follow it, or new pages would land in the
         # workers' own small segments and vanish with them.
@@ -73,14 +79,54 @@ class WorkerActor:
                 fresh = True
 
     def _lease_loop(self) -> None:
+        probed: dict[str, float] = {}
         while not self._stop.wait(self.tcfg.expiry_interval):
             try:
                 gone = self.core.call_blocking(lambda e: e.leases.expire(time.monotonic()))
                 for lease in gone:
                     self.transfer.forget(lease.lease_id)
-                    log.warning("transfer lease %s expired: its pages are free again", lease.lease_id)
+                    log.warning("transfer lease %s expired%s", lease.lease_id,
+                                ": its pages stay quarantined until its sender's send is over"
+                                if lease.lease_id in self.core.engine.leases.quarantine else ": its pages are free again")
+                self._probe_quarantine(probed)
             except Exception as e:  # noqa: BLE001 - keep sweeping
                 log.warning("lease sweep failed: %r", e)
+
+    def _probe_quarantine(self, probed: dict[str, float]) -> None:
+        """Ask the sender of each quarantined lease (at most once a second each) whether its send may
+        still write; a sender that says no, or is dead (a restart is a new process: the old one's
+        transfers died with it), frees the pages."""
+        q = self.core.call_blocking(lambda e: {k: l.meta.get("sender") for k, l in e.leases.quarantine.items()})
+        now = time.monotonic()
+        for lease_id in [k for k in probed if k not in q]:
+            del probed[lease_id]
+        for lease_id, sender in q.items():
+            if now - probed.get(lease_id, 0.0) < 1.0:
+                continue
+            probed[lease_id] = now
+            if sender is None:
+                continue     # nobody to ask: only the sender's own end notice frees it
+            try:
+                pending = ray.get(sender.send_pending.remote(lease_id), timeout=5)
+            except ray.exceptions.GetTimeoutError:
+                continue     # hung, not dead: keep the pages
+            except ray.exceptions.RayError:
+                pending = False
+            if not pending and self.core.call_blocking(lambda e: e.leases.release(lease_id)):
+                log.warning("quarantined lease %s released: its sender has no send in flight", lease_id)
+
+    def _reap_loop(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                self.transfer.reap()
+            except Exception as e:  # noqa: BLE001
+                log.warning("reaping abandoned sends failed: %r", e)
+
+    def _send_ended(self, lease_id: str) -> None:
+        """A send that could not be aborted is over (a backend thread): tell its decode worker."""
+        notify = self.sends.end(lease_id)
+        if notify is not None:
+            notify.transfer_ended.remote(lease_id)
 
     def _l3_segment_loop(self, storage, store, every: float) -> None:
         wait = 0.0
@@ -96,14 +142,24 @@ class WorkerActor:
                 store.prefer_segment(seg)
 
     # ---- prefill -> decode transfer (storage/transfer) -------------------------------------------
-    async def reserve(self, prompt_len: int) -> Destination:
-        """Decode side: lease the pages a prompt of ``prompt_len`` tokens will occupy; where to send."""
+    async def reserve(self, prompt_len: int, sender=None) -> Destination:
+        """Decode side: lease the pages a prompt of ``prompt_len`` tokens will occupy; where to send.
+        ``sender``: the prefill worker's handle, asked before quarantined pages are freed."""
         lease_id = f"{self.worker_id}/{uuid.uuid4().hex[:12]}"
         now, ttl = time.monotonic(), self.tcfg.lease_seconds
-        lease = await self.core.call(lambda e: e.reserve_kv(lease_id, prompt_len, now, ttl))
+        meta = {"one_sided": self.transfer.one_sided, "sender": sender}
+        lease = await self.core.call(lambda e: e.reserve_kv(lease_id, prompt_len, now, ttl, meta))
         return Destination(lease_id, self.tcfg.backend, prompt_len, self.core.engine.cfg.page_size,
                            lease.pages["full"], lease.pages["swa"], lease.meta["swa_first_page"], ttl,
                            self.worker_id, self.transfer.peer_info())
+
+    async def transfer_ended(self, lease_id: str) -> bool:
+        """Decode side: the sender's send into ``lease_id`` is over; quarantined pages are freed."""
+        return await self.core.call(lambda e: e.leases.send_ended(lease_id))
+
+    async def send_pending(self, lease_id: str) -> bool:
+        """Prefill side: whether a send into ``lease_id`` may still write (if not, it never will)."""
+        return self.sends.pending(lease_id, self.transfer.in_flight() if self.transfer is not None else set())
 
     async def cancel(self, lease_id: str) -> bool:
         """Decode side: free a lease's pages now (the prefill side failed or the client left)."""
@@ -111,10 +167,23 @@ class WorkerActor:
         return await self.core.call(lambda e: e.leases.cancel(lease_id))
 
     @ray.method(num_returns=2)
-    async def prefill_to(self, ids: list[int], params: SamplingParams, dest: Destination):
+    async def prefill_to(self, ids: list[int], params: SamplingParams, dest: Destination, notify=None):
         """Prefill, then send the prompt's KV into ``dest`` (a decode worker's leased pages); returns
         (StreamItem of the first token, receipt). For ray_object the receipt carries the packed payload,
-        which Ray puts in the object store as this task's second return (the backend's ray.put half)."""
+        which Ray puts in the object store as this task's second return (the backend's ray.put half).
+        ``notify``: the decode worker, told when the send is over so quarantined pages can go back."""
+        self.sends.begin(dest.lease_id, notify)
+        in_flight = False
+        try:
+            return await self._prefill_send(ids, params, dest)
+        except TransferError as e:
+            in_flight = e.in_flight       # its end is reported by the backend (_send_ended)
+            raise
+        finally:
+            if not in_flight and self.sends.end(dest.lease_id) is not None and self.transfer.one_sided:
+                notify.transfer_ended.remote(dest.lease_id)
+
+    async def _prefill_send(self, ids, params, dest: Destination):
         t0 = time.monotonic()
         last = None
         async for item in self.core.generate(ids, params, prefill_only=True):
@@ -158,6 +227,8 @@ class WorkerActor:
         if "backend" in changes:
             raise ValueError("transfer backend cannot change at run time")
         self.tcfg = dataclasses.replace(self.tcfg, **changes)
+        if self.transfer is not None:
+            self.transfer.cfg = self.tcfg      # the backends read their timings (and test hooks) live
         return dataclasses.asdict(self.tcfg)
 
     async def transfer_stats(self) -> dict:
@@ -167,21 +238,8 @@ class WorkerActor:
                 "backend_stats": self.transfer.stats() if self.transfer is not None else {}}
 
     # ---- serving ---------------------------------------------------------------------------------
-    @ray.method(num_returns=2)
-    async def prefill(self, ids: list[int], params: SamplingParams):
-        """Prefill and sample the first token; returns (StreamItem without payload, KVPayload)."""
-        last = None
-        async for item in self.core.generate(ids, params, prefill_only=True):
-            last = item
-        payload, last.kv_payload = last.kv_payload, None
-        return last, payload
-
     async def generate(self, ids: list[int], params: SamplingParams):
         async for item in self.core.generate(ids, params):
-            yield item
-
-    async def decode(self, ids: list[int], payload, params: SamplingParams):
-        async for item in self.core.decode(ids, payload, params):
             yield item
 
     # ---- operations ------------------------------------------------------------------------------
@@ -249,3 +307,22 @@ class WorkerActor:
                     key, kb = line.split()[:2]
                     info["rss_anon_bytes" if key == "RssAnon:" else "rss_bytes"] = int(kb) * 1024
         return info
+
+
+def resolve_hosts(engine_cfg: EngineConfig, tcfg: TransferConfig | None):
+    """``auto`` addresses (transfer ``host``, Mooncake L3 ``local_hostname``) become this node's IP, so
+    peers on other nodes reach this worker where it actually runs."""
+    ip = None
+
+    def node_ip() -> str:
+        nonlocal ip
+        ip = ip or ray.util.get_node_ip_address()
+        return ip
+    if tcfg is not None and tcfg.host == "auto":
+        tcfg = dataclasses.replace(tcfg, host=node_ip())
+    hc = engine_cfg.hicache
+    mc = hc.l3.mooncake if hc is not None and hc.l3 is not None else None
+    if mc is not None and mc.local_hostname == "auto":
+        l3 = dataclasses.replace(hc.l3, mooncake=dataclasses.replace(mc, local_hostname=node_ip()))
+        engine_cfg = dataclasses.replace(engine_cfg, hicache=dataclasses.replace(hc, l3=l3))
+    return engine_cfg, tcfg

@@ -202,11 +202,6 @@ class AsyncEngine:
         rid = rid or self.new_rid()
         return self._stream(rid, lambda e: e.add_request(prompt, params, rid, prefill_only=prefill_only))
 
-    def decode(self, prompt, payload: KVPayload, params: SamplingParams,
-               rid: str | None = None) -> AsyncIterator[StreamItem]:
-        rid = rid or self.new_rid()
-        return self._stream(rid, lambda e: e.add_prefilled(prompt, payload, params, rid))
-
     def decode_leased(self, prompt, lease_id: str, info: dict, params: SamplingParams, now: float,
                       fill=None, rid: str | None = None) -> AsyncIterator[StreamItem]:
         """Admit a request whose KV a transfer put into the pages of ``lease_id`` (Engine.add_leased)."""

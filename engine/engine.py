@@ -191,10 +191,11 @@ class Engine:
             self._finish(req, reason)
         return req.rid
 
-    def reserve_kv(self, lease_id: str, prompt_len: int, now: float, ttl: float) -> Lease:
+    def reserve_kv(self, lease_id: str, prompt_len: int, now: float, ttl: float, meta: dict | None = None) -> Lease:
         """Reserve the pages a transferred prompt of ``prompt_len`` tokens will occupy (full: every page;
         SWA: the last window), under a lease that ``now + ttl`` ends. MemoryError when they cannot be had
-        even after evicting cached pages (nothing is held then)."""
+        even after evicting cached pages (nothing is held then). ``meta``: the transfer's (sender,
+        one_sided: whether the lease's pages are quarantined when it ends before the send did)."""
         if not isinstance(prompt_len, int) or not 0 < prompt_len < self.max_context:
             raise ValueError(f"prompt_len: must be in [1, {self.max_context}), got {prompt_len!r}")
         n_full, first, n_swa = self.geometry.plan_pages(prompt_len)
@@ -205,7 +206,8 @@ class Engine:
             alloc = self.pools.pool(comp).allocator
             if n and not alloc.can_alloc(n) and self.hooks is not None:
                 self.hooks.make_room(comp, n - alloc.num_free)
-        return self.leases.reserve(lease_id, need, now, ttl, {"prompt_len": prompt_len, "swa_first_page": first})
+        return self.leases.reserve(lease_id, need, now, ttl,
+                                   {**(meta or {}), "prompt_len": prompt_len, "swa_first_page": first})
 
     def add_leased(self, prompt: Prompt, lease_id: str, info: dict, params: SamplingParams | None = None,
                    rid: str | None = None, now: float = 0.0, fill=None) -> str:

@@ -13,6 +13,11 @@ The flow of one request (the actor shells drive it; nothing here imports ray):
 A lease that expires, a cancel (the prefill worker failed, the client left) or a dead peer frees the
 pages at once; a commit after that is a clean ``TransferError``, never stale tokens. Time is passed in
 (``now``), so tests control it.
+
+One-sided backends (NIXL, Mooncake) write into the pages without the decode side taking part, so a
+lease that ends while its sender may still write does not free its pages: they are **quarantined**
+until the sender says its send is over (done, failed or aborted: ``send_ended``) or is known dead
+(``release``). A late write then lands in pages nobody reads, never in another request's KV.
 """
 from __future__ import annotations
 
@@ -24,7 +29,16 @@ from storage.pools import PageAllocator
 
 
 class TransferError(RuntimeError):
-    """A transfer that failed, timed out or whose lease is gone: the request fails cleanly."""
+    """A transfer that failed, timed out or whose lease is gone: the request fails cleanly.
+    ``in_flight``: the send could not be aborted and may still write (its end is reported later,
+    through the backend's ``on_send_ended``)."""
+
+    def __init__(self, msg: str, in_flight: bool = False) -> None:
+        super().__init__(msg)
+        self.in_flight = in_flight
+
+    def __reduce__(self):   # keep in_flight across processes
+        return (TransferError, (str(self), self.in_flight))
 
 
 @dataclass
@@ -68,7 +82,9 @@ class LeaseTable:
         self.allocators = dict(allocators)
         self.name = name
         self.leases: dict[str, Lease] = {}
-        self.counts = {"reserved": 0, "committed": 0, "cancelled": 0, "expired": 0}
+        self.quarantine: dict[str, Lease] = {}    # ended leases whose one-sided send may still write
+        self.counts = {"reserved": 0, "committed": 0, "cancelled": 0, "expired": 0, "quarantined": 0,
+                       "released": 0}
 
     def reserve(self, lease_id: str, need: Mapping[str, int], now: float, ttl: float,
                 meta: dict | None = None) -> Lease:
@@ -134,18 +150,46 @@ class LeaseTable:
 
     def _free(self, lease: Lease, why: str) -> None:
         del self.leases[lease.lease_id]
+        self.counts[why] += 1
+        if lease.meta.get("one_sided") and not lease.meta.get("send_ended"):
+            self.quarantine[lease.lease_id] = lease
+            self.counts["quarantined"] += 1
+            return
+        self._give_back(lease)
+
+    def _give_back(self, lease: Lease) -> None:
         for comp, pages in lease.pages.items():
             if pages:
                 self.allocators[comp].free(pages)
-        self.counts[why] += 1
+
+    def send_ended(self, lease_id: str) -> bool:
+        """The sender's send for ``lease_id`` is over (done, failed, aborted, or never to start): a live
+        lease may now be freed at once when it ends; a quarantined one is freed now. True if it freed."""
+        lease = self.leases.get(lease_id)
+        if lease is not None:
+            lease.meta["send_ended"] = True
+            return False
+        return self.release(lease_id)
+
+    def release(self, lease_id: str) -> bool:
+        """Free a quarantined lease's pages (its sender ended the send, or is dead)."""
+        lease = self.quarantine.pop(lease_id, None)
+        if lease is None:
+            return False
+        self._give_back(lease)
+        self.counts["released"] += 1
+        return True
+
+    def _held(self):
+        return list(self.leases.values()) + list(self.quarantine.values())
 
     def num_pages(self, comp: str) -> int:
-        return sum(len(l.pages.get(comp, ())) for l in self.leases.values())
+        return sum(len(l.pages.get(comp, ())) for l in self._held())
 
     def owners(self) -> dict[str, dict[str, list[int]]]:
         """component -> {"lease <id>": pages}: for the allocators' ownership checks."""
         out: dict[str, dict[str, list[int]]] = {c: {} for c in self.allocators}
-        for lease in self.leases.values():
+        for lease in self._held():
             for comp, pages in lease.pages.items():
                 out[comp][f"lease {lease.lease_id}"] = list(pages)
         return out
@@ -155,7 +199,7 @@ class LeaseTable:
         too (only valid when the leases are the allocators' sole owners besides the free list)."""
         for comp, alloc in self.allocators.items():
             seen: set[int] = set()
-            for lease in self.leases.values():
+            for lease in self._held():
                 for p in lease.pages.get(comp, ()):
                     if p in seen:
                         raise AssertionError(f"{self.name}: {comp} page {p} held by two leases")
@@ -163,10 +207,10 @@ class LeaseTable:
                         raise AssertionError(f"{self.name}: {comp} page {p} of lease is free or out of range")
                     seen.add(p)
             if full_check:
-                alloc.check_integrity({f"lease {l.lease_id}": l.pages.get(comp, []) for l in self.leases.values()})
+                alloc.check_integrity({f"lease {l.lease_id}": l.pages.get(comp, []) for l in self._held()})
 
     def stats(self) -> dict:
-        return {**self.counts, "live": len(self.leases),
+        return {**self.counts, "live": len(self.leases), "in_quarantine": len(self.quarantine),
                 "pages": {c: self.num_pages(c) for c in self.allocators}}
 
 
@@ -188,6 +232,8 @@ class TransferBackend(ABC):
     Destination) and may wait for arrival; the prefill side ``send``s a staged payload."""
 
     name = "base"
+    one_sided = False               # writes into the decode side's pages without it taking part
+    on_send_ended = None            # callable(lease_id): an in-flight send (see TransferError) ended
 
     @abstractmethod
     def peer_info(self) -> dict:
@@ -203,6 +249,18 @@ class TransferBackend(ABC):
 
     def forget(self, lease_id: str) -> None:
         """Decode side: drop any arrival record of a lease that ended."""
+
+    def in_flight(self) -> set[str]:
+        """Prefill side: leases whose send could not be aborted and may still write."""
+        return set()
+
+    def reap(self) -> None:
+        """Prefill side: finish off sends that could not be aborted (called periodically)."""
+
+    def _ended(self, lease_id: str) -> None:
+        cb = self.on_send_ended
+        if cb is not None:
+            cb(lease_id)
 
     def stats(self) -> dict:
         return {}

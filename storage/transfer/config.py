@@ -31,12 +31,15 @@ class TransferConfig:
     transfer_timeout: float = 20.0
     expiry_interval: float = 0.2          # how often the decode side expires leases
     staging_pages: int = 8192
-    host: str = "127.0.0.1"               # address the transfer engines bind / advertise
+    host: str = "127.0.0.1"               # address the transfer engines bind / advertise; "auto": the node's
     nixl_backend: str = "UCX"
     nixl_progress_s: float = 5e-4         # nap of the decode side's notification/progress pump
     mooncake_protocol: str = "tcp"
     mooncake_device: str = ""             # RDMA device names for protocol rdma (e.g. "mlx5_0")
     debug_send_delay: float = 0.0
+    # test-only: a one-sided write posted this many seconds late and then waited for, deadline or not
+    # (a transfer its sender could not abort: what lease quarantine exists for); keep 0 in production
+    debug_write_delay: float = 0.0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -44,6 +47,7 @@ class TransferConfig:
         for name in ("lease_seconds", "transfer_timeout", "expiry_interval", "nixl_progress_s"):
             _pos(self, name)
         _pos(self, "debug_send_delay", zero_ok=True)
+        _pos(self, "debug_write_delay", zero_ok=True)
         if self.transfer_timeout >= self.lease_seconds:
             raise ValueError(f"TransferConfig.transfer_timeout ({self.transfer_timeout}) must be below "
                              f"lease_seconds ({self.lease_seconds})")

@@ -35,6 +35,7 @@ def _engine_cls():
 
 class MooncakeBackend(TransferBackend):
     name = "mooncake"
+    one_sided = True
 
     def __init__(self, cfg, role: str, pools, name: str) -> None:
         self.cfg, self.role, self.worker = cfg, role, name
@@ -46,6 +47,7 @@ class MooncakeBackend(TransferBackend):
         self.session = f"{cfg.host}:{self.engine.get_rpc_port()}"
         self.counts = {"sends": 0, "failed": 0, "timeouts": 0, "abandoned": 0, "bytes": 0}
         self._regs: list[int] = []
+        self._running: set[str] = set()       # leases of overrun sends still writing
         self.staging = None
         if role == "decode":
             for comp in ("full", "swa"):
@@ -90,6 +92,8 @@ class MooncakeBackend(TransferBackend):
                 # Bounded batches: the tcp transport rejects a batch past its lane queue (rc -1, observed
                 # between 1024 and 3200 descriptors with mooncake-transfer-engine 0.3.13).
                 rc = 0
+                if self.cfg.debug_write_delay:
+                    time.sleep(self.cfg.debug_write_delay)     # test-only: a write that lands late
                 for i in range(0, len(spans), MAX_BATCH):
                     part = spans[i:i + MAX_BATCH]
                     rc = self.engine.batch_transfer_sync_write(
@@ -102,8 +106,12 @@ class MooncakeBackend(TransferBackend):
             finally:
                 with gate:
                     result["done"] = True
-                    if result.get("abandoned"):
+                    late = result.get("abandoned")
+                    if late:
                         self.staging.release(send_id)   # the overrun returned: its pages are safe now
+                        self._running.discard(dest.lease_id)
+                if late:
+                    self._ended(dest.lease_id)          # the decode side may free the lease's pages now
 
         th = threading.Thread(target=run, name="mooncake-send", daemon=True)
         th.start()
@@ -111,10 +119,13 @@ class MooncakeBackend(TransferBackend):
         with gate:
             overrun = not result.get("done")
             result["abandoned"] = overrun
+            if overrun:
+                self._running.add(dest.lease_id)
         if overrun:
             self.counts["timeouts"] += 1
             self.counts["abandoned"] += 1
-            raise TransferError(f"mooncake: write to {dest.worker_id} did not finish within {timeout:.1f}s")
+            raise TransferError(f"mooncake: write to {dest.worker_id} did not finish within {timeout:.1f}s "
+                                "(still in flight: its pages stay quarantined until it returns)", in_flight=True)
         self.staging.release(send_id)
         if "error" in result or result.get("rc", -1) != 0:
             self.counts["failed"] += 1
@@ -124,6 +135,9 @@ class MooncakeBackend(TransferBackend):
         self.counts["sends"] += 1
         self.counts["bytes"] += nbytes
         return receipt(payload, bytes=nbytes, seconds=time.monotonic() - t0, descriptors=len(spans))
+
+    def in_flight(self) -> set[str]:
+        return set(self._running)
 
     def stats(self) -> dict:
         return {**self.counts, **(self.staging.stats() if self.staging is not None else {})}

@@ -28,6 +28,7 @@ def _load_nixl():
 
 class NixlBackend(TransferBackend):
     name = "nixl"
+    one_sided = True
 
     def __init__(self, cfg, role: str, pools, name: str) -> None:
         nixl_agent, nixl_agent_config = _load_nixl()
@@ -125,11 +126,15 @@ class NixlBackend(TransferBackend):
         try:
             spans = self.staging.spans(full_idx, swa_idx, payload, dest, off)
             remote = self._remote(dest.peer)
-            state = self._write(spans, remote, dest.lease_id, deadline)
+            if self.cfg.debug_write_delay:       # test-only: a write posted late and not aborted
+                time.sleep(self.cfg.debug_write_delay)
+                deadline = time.monotonic() + 60.0
+            state = self._write(spans, remote, dest.lease_id, deadline, send_id)
             if state in ("PROC", "TIMEOUT"):
                 self.counts["timeouts"] += 1
                 keep = state == "PROC"
-                raise TransferError(f"nixl: write to {dest.worker_id} did not finish within {timeout:.1f}s")
+                raise TransferError(f"nixl: write to {dest.worker_id} did not finish within {timeout:.1f}s",
+                                    in_flight=keep)
             if state != "DONE":
                 self.counts["failed"] += 1
                 self._drop_peer(dest.peer["agent"])
@@ -150,7 +155,7 @@ class NixlBackend(TransferBackend):
         self.counts["bytes"] += nbytes
         return receipt(payload, bytes=nbytes, seconds=time.monotonic() - t0, descriptors=len(spans))
 
-    def _write(self, spans, remote: str, lease_id: str, deadline: float) -> str:
+    def _write(self, spans, remote: str, lease_id: str, deadline: float, send_id: str = "") -> str:
         """Post one WRITE of all spans with ``lease_id`` as notification; poll it. Returns DONE, ERR,
         TIMEOUT (aborted at the deadline) or PROC (still running and could not be aborted)."""
         a = self.agent
@@ -169,9 +174,32 @@ class NixlBackend(TransferBackend):
             try:
                 a.release_xfer_handle(handle)        # aborts a transfer still in flight, when it can
             except Exception:  # noqa: BLE001 - could not abort: keep its buffers (and the handle)
-                self._abandoned.append(handle)
+                self._abandoned.append((handle, lease_id, send_id))
                 return "PROC" if state == "PROC" else state
         return "TIMEOUT" if state == "PROC" else state
+
+    def in_flight(self) -> set[str]:
+        return {lease_id for _, lease_id, _ in self._abandoned}
+
+    def reap(self) -> None:
+        """Sends that could not be aborted: once UCX is done with one (or it failed), free its staging
+        pages and report its end, so the decode side releases the quarantined lease."""
+        ended = []
+        with self.lock:
+            for item in list(self._abandoned):
+                handle, lease_id, send_id = item
+                try:
+                    if self.agent.check_xfer_state(handle) == "PROC":
+                        continue
+                    self.agent.release_xfer_handle(handle)
+                except Exception:  # noqa: BLE001 - an errored handle is over too
+                    pass
+                self._abandoned.remove(item)
+                ended.append((lease_id, send_id))
+        for lease_id, send_id in ended:
+            if send_id:
+                self.staging.release(send_id)
+            self._ended(lease_id)
 
     # ---- both ----------------------------------------------------------------------------------------
     def stats(self) -> dict:

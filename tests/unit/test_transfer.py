@@ -52,7 +52,7 @@ def test_cancel_commit_and_double_commit():
     t.allocators["full"].free(lease.pages["full"])
     t.allocators["swa"].free(lease.pages["swa"])
     t.check_integrity()
-    assert _all_free(t) and t.counts == {"reserved": 2, "committed": 1, "cancelled": 1, "expired": 0}
+    assert _all_free(t) and t.counts == {"reserved": 2, "committed": 1, "cancelled": 1, "expired": 0, "quarantined": 0, "released": 0}
 
 
 def test_reserve_is_all_or_nothing_and_rejects_bad_input():
