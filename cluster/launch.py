@@ -43,7 +43,7 @@ from actors.router import PrefixRouterActor  # noqa: E402
 from actors.storage import StorageActor  # noqa: E402
 from actors.worker import WorkerActor  # noqa: E402
 from cluster.config import IF_EXISTS, ClusterConfig, load_config, with_model  # noqa: E402
-from cluster.lifecycle import APP_NAME, Signals, Stopped, app_phase, drain, running_actors, tear_down  # noqa: E402
+from cluster.lifecycle import APP_NAME, Signals, app_phase, drain, running_actors, tear_down  # noqa: E402
 from engine.model.config import ModelConfig  # noqa: E402
 from engine.model.loader import resolve_model_path  # noqa: E402
 from storage.geometry import KVGeometry  # noqa: E402
@@ -268,10 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         name = signals.wait()
         if owned:
             _drain(cfg, signals, name)
-    except Stopped as e:
-        print(f"strata: {e}: stopped while starting", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:    # Stopped, or what Ray's blocking calls make of it
+        name = signals.received[-1] if signals.received else "interrupted"
+        print(f"strata: {name}: stopped while starting", file=sys.stderr, flush=True)
         if owned and app_phase(APP_NAME, timeout=5) == "ready":  # the ingress answered before serve.run returned
-            _drain(cfg, signals, str(e))
+            _drain(cfg, signals, name)
     finally:
         signals.starting = False    # whatever comes now only counts; the cleanup runs to its end
         if not keep:
@@ -323,17 +324,16 @@ def _deploy_or_adopt(cfg: ClusterConfig, detached: bool, if_exists: str) -> tupl
 
 def _stop(handles: dict | None, own_ray: bool, owned: bool, hurry: bool = False) -> None:
     """Strata's app and actors (when this launch made them), then the local Ray cluster it started."""
-    if not ray.is_initialized():
-        return
-    if owned and not (hurry and own_ray):   # in a hurry, ray.shutdown below ends them all at once
+    if owned and ray.is_initialized() and not (hurry and own_ray):   # in a hurry, ray.shutdown ends them all
         # Only the app, not serve.shutdown(): Serve may run other apps on a cluster we joined, and on our
         # own the controller's self-kill makes the raylet print a failed-task warning; ray.shutdown ends it.
         shutdown(handles, serve_too=False)
     if own_ray:
+        # Even when a signal cut ray.init short: it ends whatever node processes were started.
         # wait_for_processes: return only once the GCS, raylet and workers are gone, so that nothing of
         # this cluster outlives the command.
         ray.shutdown(wait_for_processes=True)
-    else:
+    elif ray.is_initialized():
         ray.shutdown()
     print("strata: stopped", file=sys.stderr, flush=True)
 

@@ -21,9 +21,11 @@ PLACEMENT_GROUP = "strata-workers"
 STORAGE_ACTOR = "strata-storage"
 
 
-class Stopped(BaseException):
-    """A signal arrived before the cluster was serving. A BaseException, so that Ray's and our own
-    ``except Exception`` on the way up do not swallow it."""
+class Stopped(KeyboardInterrupt):
+    """A signal arrived before the cluster was serving. A KeyboardInterrupt because that is the one
+    exception Ray's blocking calls let a signal handler raise (they turn it into a plain
+    KeyboardInterrupt; any other one comes out as a SystemError), and no ``except Exception`` on the way
+    up swallows it."""
 
 
 class Signals:

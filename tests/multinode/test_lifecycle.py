@@ -16,9 +16,13 @@ import threading
 import time
 from pathlib import Path
 
+import asyncio
+
 import httpx
 import pytest
 
+from actors.lifecycle import STARTING, NoRouteIsStarting
+from cluster.config import from_text
 from tests.util import free_port, processes_started_under, stop_processes_started_under
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,6 +30,51 @@ STRATA = Path(sys.executable).parent / "strata"
 LONG = 400           # tokens of the generation that is running when the signal comes (a few seconds)
 
 
+# ---- without Ray ---------------------------------------------------------------------------------------
+def test_config_validates_drain_timeout_and_if_exists():
+    cfg = from_text("server: {drain_timeout: 5}\nray: {if_exists: replace}")
+    assert cfg.server.drain_timeout == 5 and cfg.ray.if_exists == "replace"
+    assert from_text("").ray.if_exists == "adopt" and from_text("").server.drain_timeout == 30
+    with pytest.raises(ValueError, match="drain_timeout"):
+        from_text("server: {drain_timeout: -1}")
+    with pytest.raises(ValueError, match="if_exists"):
+        from_text("ray: {if_exists: keep}")
+
+
+def _through_middleware(status: int, ctype: bytes, body: bytes) -> list:
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", ctype)]})
+        await send({"type": "http.response.body", "body": body})
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(NoRouteIsStarting(app)({"type": "http", "path": "/health"}, None, send))
+    return sent
+
+
+def test_the_proxys_404_for_a_route_it_does_not_know_yet_is_503_starting():
+    sent = _through_middleware(404, b"text/plain; charset=utf-8", b"Path '/health' not found.")
+    assert sent[0]["status"] == 503 and json.loads(sent[1]["body"]) == STARTING and len(sent) == 2
+    # The app's own answers, a JSON 404 included, pass unchanged.
+    for status, ctype in ((404, b"application/json"), (200, b"text/plain")):
+        sent = _through_middleware(status, ctype, b"x")
+        assert sent[0]["status"] == status and sent[1]["body"] == b"x"
+
+
+def test_signals_raise_while_starting_then_only_count():
+    from cluster.lifecycle import Signals, Stopped
+
+    sig = Signals()
+    with pytest.raises(Stopped):
+        sig._on_signal(signal.SIGTERM, None)
+    sig._on_signal(signal.SIGINT, None)     # after the first, nothing raises
+    assert sig.received == ["SIGTERM", "SIGINT"] and sig.hurry and sig.wait() == "SIGTERM"
+
+
+# ---- strata serve in the background ----------------------------------------------------------------------
 class Served:
     """A `strata serve` started the way a non-interactive shell starts `strata serve &`: SIGINT ignored."""
 
