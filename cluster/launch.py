@@ -92,8 +92,9 @@ def deploy(cfg: ClusterConfig, detached: bool = False, ready_timeout: float = 12
 
 
 def start_serve(cfg: ClusterConfig) -> None:
-    """Start Serve's HTTP proxy and, unless the app already exists, put the placeholder on its route
-    without waiting for it: the workers load meanwhile."""
+    """Start Serve's HTTP proxy and, unless the app already exists, put the placeholder on its route.
+    Waits until the placeholder runs before the workers start loading: the proxy holds a request between
+    learning the route and learning its replica, and that wait is ~2 s alone but 5-7 s on a busy box."""
     s = cfg.server
     serve.start(http_options={"host": s.host, "port": s.port})
     if app_phase(APP_NAME) is not None:
@@ -102,11 +103,7 @@ def start_serve(cfg: ClusterConfig) -> None:
     app = serve.deployment(StartingIngress, name="ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
                            graceful_shutdown_wait_loop_s=0.1, graceful_shutdown_timeout_s=1,
                            **ingress_options(s)).bind()
-    if hasattr(serve, "run_many"):
-        serve.run_many([serve.RunTarget(target=app, name=APP_NAME, route_prefix="/")],
-                       wait_for_applications_running=False)
-    else:   # older Ray: wait for it
-        serve.run(app, name=APP_NAME, route_prefix="/")
+    serve.run(app, name=APP_NAME, route_prefix="/")
 
 
 def ingress_options(s) -> dict:
@@ -255,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         init_ray(cfg, args.address)
         signals.install()       # again: ray.init put its own SIGTERM handler (exit on the spot) in place
         try:
-            handles, owned = _deploy_or_adopt(cfg, args.detach, if_exists)
+            handles, owned = _deploy_or_adopt(cfg, args.detach, if_exists, signals)
         except FileExistsError as e:
             print(f"strata: {e}", file=sys.stderr, flush=True)
             owned = False
@@ -271,8 +268,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:    # Stopped, or what Ray's blocking calls make of it
         name = signals.received[-1] if signals.received else "interrupted"
         print(f"strata: {name}: stopped while starting", file=sys.stderr, flush=True)
-        if owned and app_phase(APP_NAME, timeout=5) == "ready":  # the ingress answered before serve.run returned
-            _drain(cfg, signals, name)
     finally:
         signals.starting = False    # whatever comes now only counts; the cleanup runs to its end
         if not keep:
@@ -288,7 +283,8 @@ def _drain(cfg: ClusterConfig, signals: Signals, name: str) -> None:
           file=sys.stderr, flush=True)
 
 
-def _deploy_or_adopt(cfg: ClusterConfig, detached: bool, if_exists: str) -> tuple[dict | None, bool]:
+def _deploy_or_adopt(cfg: ClusterConfig, detached: bool, if_exists: str,
+                     signals: Signals) -> tuple[dict | None, bool]:
     """Deploy, minding a strata cluster already running in the namespace. Returns (handles, owned):
     owned is False for an adopted cluster, which this launch leaves running (handles None where even
     the app was kept). ``fail`` raises FileExistsError."""
@@ -311,12 +307,12 @@ def _deploy_or_adopt(cfg: ClusterConfig, detached: bool, if_exists: str) -> tupl
             return None, False
         print(f"strata: adopting the running actors ({', '.join(existing)}); the app was {phase or 'absent'}",
               flush=True)
-        start_serve(cfg)
-        handles = start_actors(cfg, detached=detached, get_if_exists=True)
-        serve.run(ingress_app(cfg, handles), name=APP_NAME, route_prefix="/", blocking=False)
-        owned = False
-    else:
-        handles, owned = deploy(cfg, detached=detached), True
+    start_serve(cfg)
+    handles = start_actors(cfg, detached=detached, get_if_exists=bool(existing))
+    # From here a signal waits for the ingress (seconds) and drains it: it may already be answering.
+    signals.starting = False
+    serve.run(ingress_app(cfg, handles), name=APP_NAME, route_prefix="/", blocking=False)
+    owned = not existing
     print(f"strata: serving {s.model_name} at {handles['url']} "
           f"({len(handles['workers'])} workers: {', '.join(handles['workers'])})", flush=True)
     return handles, owned
