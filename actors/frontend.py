@@ -130,6 +130,8 @@ class Frontend:
         self.backend, self.metrics, self.max_inflight = backend, metrics or Metrics(), max_inflight
         self.sampling_defaults = dict(getattr(backend, "sampling_defaults", None) or {})
         self.inflight = 0
+        # Set when the server stops (SIGINT/SIGTERM): new requests get 503 while those in flight finish.
+        self.draining = False
         self._generated: collections.deque = collections.deque()   # (time, tokens) of the last seconds
 
     def internal_state(self, window: float = 10.0) -> dict:
@@ -196,6 +198,8 @@ class Frontend:
     async def run(self, ids: list[int], params: SamplingParams, avoid: tuple[str, ...] = (),
                   pin: dict | None = None) -> AsyncIterator[StreamItem]:
         """Admission control, metrics and error mapping around the backend's stream."""
+        if self.draining:
+            raise HTTPException(503, "shutting down: this server takes no new requests")
         if self.inflight >= self.max_inflight:
             raise HTTPException(503, f"server busy: {self.max_inflight} requests in flight")
         self.inflight += 1

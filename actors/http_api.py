@@ -11,6 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.frontend import Backend, Frontend, ServiceUnavailable, WorkerFailed, stable_delta  # noqa: F401
 from actors.http_body import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from actors.lifecycle import DRAINING
 from actors.http_models import FlushResult, Health, errors, finish_openapi
 from actors.metrics import Metrics
 from actors.openai_api import add_openai_routes
@@ -29,6 +30,7 @@ def build_app(backend: Backend, metrics: Metrics | None = None, max_inflight: in
     app = FastAPI(title="strata", version="0.1.0")
     app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
     fe = Frontend(backend, metrics, max_inflight)
+    app.state.frontend = fe     # the ingress's drain() reaches it here
 
     @app.middleware("http")
     async def _json_bodies(request: Request, call_next):
@@ -63,8 +65,11 @@ def build_app(backend: Backend, metrics: Metrics | None = None, max_inflight: in
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health():
+        if fe.draining:
+            return JSONResponse(DRAINING, status_code=503)
         h = await backend.health()
-        return JSONResponse(h, status_code=200 if h.get("ok") else 503)
+        return JSONResponse({**h, "status": "ready" if h.get("ok") else "unhealthy"},
+                            status_code=200 if h.get("ok") else 503)
 
     @app.post("/flush_cache", response_model=FlushResult, responses={409: {"model": FlushResult}, **errors(413)})
     async def flush_cache():

@@ -179,6 +179,7 @@ class ModelList(BaseModel):
 
 class Health(BaseModel):
     ok: bool
+    status: Optional[str] = None     # starting | ready | unhealthy | draining
     workers: Optional[list[str]] = None
     indexed_pages: Optional[int] = None
     error: Optional[str] = None

@@ -298,4 +298,18 @@ class Ingress:
         self.max_inflight = max_inflight
 
     def __serve_build_asgi_app__(self):
-        return build_app(self.backend, Metrics(), self.max_inflight)
+        app = build_app(self.backend, Metrics(), self.max_inflight)
+        self.frontend = app.state.frontend
+        return app
+
+    # Called by launch through a DeploymentHandle (cluster/lifecycle.py), not over HTTP.
+    async def phase(self) -> str:
+        return "draining" if self.frontend.draining else "ready"
+
+    async def drain(self) -> int:
+        """Take no new request (503 "shutting down", /health 503 draining); returns how many are in flight."""
+        self.frontend.draining = True
+        return self.frontend.inflight
+
+    async def inflight(self) -> int:
+        return self.frontend.inflight

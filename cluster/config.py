@@ -64,12 +64,19 @@ class ServerConfig:
     request_timeout: float = 120.0
     max_inflight: int = 256
     num_cpus: float = 0.2
+    # On SIGINT/SIGTERM, how long running generations may take to finish before the cluster stops anyway.
+    drain_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 < self.port < 65536:
             raise ValueError(f"server.port must be in 1..65535, got {self.port!r}")
         if self.max_inflight < 1 or self.request_timeout <= 0:
             raise ValueError("server.max_inflight must be >= 1 and server.request_timeout > 0")
+        if not isinstance(self.drain_timeout, (int, float)) or self.drain_timeout < 0:
+            raise ValueError(f"server.drain_timeout must be a number >= 0, got {self.drain_timeout!r}")
+
+
+IF_EXISTS = ("adopt", "replace", "fail")
 
 
 @dataclass(frozen=True)
@@ -77,10 +84,15 @@ class RayConfig:
     address: str | None = None      # None: start a local cluster (strata serve); "auto" inside ray job submit
     num_cpus: int = 8               # logical CPUs of a local cluster
     namespace: str = "strata"
+    # A launch that finds strata's named actors already running in the namespace: adopt (keep them and a
+    # healthy Serve app), replace (drain and tear them down, deploy anew) or fail. See cluster/lifecycle.py.
+    if_exists: str = "adopt"
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_cpus, int) or self.num_cpus < 1:
             raise ValueError(f"ray.num_cpus must be a positive int, got {self.num_cpus!r}")
+        if self.if_exists not in IF_EXISTS:
+            raise ValueError(f"ray.if_exists must be one of {', '.join(IF_EXISTS)}, got {self.if_exists!r}")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import os
 import sys
 import time
@@ -18,6 +19,8 @@ RAY_ENV = {
     # A ~/.ray/auth_token left by another tool would otherwise make every call fail InvalidAuthToken.
     "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
+    # Serve's proxy answers 503 "starting", not 404, between opening the port and knowing strata's route.
+    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "actors.lifecycle:proxy_middlewares",
 }
 
 
@@ -33,10 +36,12 @@ from ray import serve  # noqa: E402
 
 from actors.eplb import start_rebalancer  # noqa: E402
 from actors.ingress import Ingress  # noqa: E402
+from actors.lifecycle import StartingIngress  # noqa: E402
 from actors.router import PrefixRouterActor  # noqa: E402
 from actors.storage import StorageActor  # noqa: E402
 from cluster import workers as wk  # noqa: E402
-from cluster.config import ClusterConfig, load_config, with_model  # noqa: E402
+from cluster.config import IF_EXISTS, ClusterConfig, load_config, with_model  # noqa: E402
+from cluster.lifecycle import APP_NAME, Signals, app_phase, drain, running_actors, tear_down  # noqa: E402
 from engine.model.config import ModelConfig  # noqa: E402
 from engine.model.loader import resolve_model_path  # noqa: E402
 from storage.geometry import KVGeometry  # noqa: E402
@@ -75,14 +80,42 @@ def start_local_ray(attempts: int = 3, **kwargs) -> None:
 
 
 def deploy(cfg: ClusterConfig, detached: bool = False, ready_timeout: float = 120.0) -> dict:
-    """Create router, workers and ingress; returns their handles once every worker has reported."""
+    """Create router, workers and ingress; returns their handles once every worker has reported. The
+    port answers 503 "starting" (lifecycle.StartingIngress) while the workers load, and the ingress
+    replaces that placeholder once it is up."""
+    start_serve(cfg)
     handles = start_actors(cfg, detached=detached, ready_timeout=ready_timeout)
+    serve.run(ingress_app(cfg, handles), name=APP_NAME, route_prefix="/", blocking=False)
+    return handles
+
+
+def start_serve(cfg: ClusterConfig) -> None:
+    """Start Serve's HTTP proxy and, unless the app already exists, put the placeholder on its route.
+    Waits until the placeholder runs before the workers start loading: the proxy holds a request between
+    learning the route and learning its replica, and that wait is ~2 s alone but 5-7 s on a busy box."""
     s = cfg.server
     # One HTTP proxy, on the launching node: Serve's default (one per node) would have every raylet of a
     # one-machine cluster bind the same host:port, and the server's address is the launching node's.
     serve.start(http_options={"host": s.host, "port": s.port}, proxy_location="HeadOnly")
-    serve.run(ingress_app(cfg, handles), name="strata", route_prefix="/", blocking=False)
-    return handles
+    if app_phase(APP_NAME) is not None:
+        return
+    # It answers at once, so its stop need not wait Serve's default 2 s loop / 20 s timeout.
+    app = serve.deployment(StartingIngress, name="ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
+                           graceful_shutdown_wait_loop_s=0.1, graceful_shutdown_timeout_s=1,
+                           **ingress_options(s)).bind()
+    serve.run(app, name=APP_NAME, route_prefix="/")
+
+
+def ingress_options(s) -> dict:
+    """Serve options of the ingress deployment (and of the placeholder it replaces)."""
+    # Serve's default (5 ongoing requests a replica) would queue the 6th stream in the proxy, out of
+    # reach of max_inflight's 503 and of the drain's "shutting down"; a few more for health and drain calls.
+    opts = {"max_ongoing_requests": s.max_inflight + 8}
+    # Start the new replica before stopping the old one (placeholder -> ingress, redeploys): no window
+    # with no replica, where the proxy would hold requests. Ray >= 2.60 only.
+    if "max_surge_percent" in inspect.signature(serve.deployment).parameters:
+        opts["max_surge_percent"] = 100
+    return opts
 
 
 def start_actors(cfg: ClusterConfig, detached: bool = False, ready_timeout: float = 120.0,
@@ -132,7 +165,7 @@ def ingress_app(cfg: ClusterConfig, handles: dict, ingress_cls=Ingress):
     return it from a Serve application builder)."""
     s, mc = cfg.server, handles["model_config"]
     return serve.deployment(ingress_cls, name="ingress", num_replicas=1,
-                            ray_actor_options={"num_cpus": s.num_cpus}).bind(
+                            ray_actor_options={"num_cpus": s.num_cpus}, **ingress_options(s)).bind(
         handles["router"], handles["workers"], s.model_name, handles["model_path"], mc.vocab_size,
         mc.max_position_embeddings, s.request_timeout, s.max_inflight, cfg)
 
@@ -147,9 +180,14 @@ def _start_storage(cfg: ClusterConfig, router, life: dict):
     return storage
 
 
-def shutdown(handles: dict | None = None) -> None:
+def shutdown(handles: dict | None = None, serve_too: bool = True) -> None:
+    """Stop Serve (``serve_too``; else delete only strata's app: Serve on a cluster we joined may run
+    other apps) and kill the actors in ``handles``."""
     try:
-        serve.shutdown()
+        if serve_too:
+            serve.shutdown()
+        else:
+            serve.delete(APP_NAME)
     except Exception:
         pass
     if handles:
@@ -188,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--detach", action="store_true", help="deploy detached actors and exit (ray job submit)")
     ap.add_argument("--model", default=None, help="a checkpoint directory (or strata-tiny) instead of the YAML's")
     ap.add_argument("--served-model-name", default=None, help="the name clients send as `model`")
+    ap.add_argument("--if-exists", choices=IF_EXISTS, default=None,
+                    help="a strata cluster already runs in the namespace: adopt it (keep what runs, start "
+                         "what is missing), replace it (drain, tear down, deploy anew) or fail "
+                         "(default: the YAML's ray.if_exists, adopt)")
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config)
@@ -197,19 +239,95 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"strata: {e}", file=sys.stderr)
         return 2
-    init_ray(cfg, args.address)
-    handles = deploy(cfg, detached=args.detach)
-    print(f"strata: serving {cfg.server.model_name} at {handles['url']} "
-          f"({len(handles['workers'])} workers: {', '.join(handles['workers'])})", flush=True)
-    print(f"strata: Ray at {ray.get_runtime_context().gcs_address} (namespace {cfg.ray.namespace})", flush=True)
-    if args.detach:
-        return 0
+    if_exists = args.if_exists or cfg.ray.if_exists
+    # Only a cluster this process starts is stopped on the way out, never one it joined.
+    own_ray = not (ray.is_initialized() or args.address or cfg.ray.address or os.environ.get("RAY_ADDRESS"))
+    signals = Signals().install()
+    handles, owned, keep = None, True, False
     try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        shutdown(handles)
+        init_ray(cfg, args.address)
+        signals.install()       # again: ray.init put its own SIGTERM handler (exit on the spot) in place
+        try:
+            handles, owned = _deploy_or_adopt(cfg, args.detach, if_exists, signals)
+        except FileExistsError as e:
+            print(f"strata: {e}", file=sys.stderr, flush=True)
+            owned = False
+            return 3
+        print(f"strata: Ray at {ray.get_runtime_context().gcs_address} (namespace {cfg.ray.namespace})",
+              flush=True)
+        if args.detach:
+            keep = True
+            return 0
+        name = signals.wait()
+        if owned:
+            _drain(cfg, signals, name)
+    except KeyboardInterrupt:    # Stopped, or what Ray's blocking calls make of it
+        name = signals.received[-1] if signals.received else "interrupted"
+        print(f"strata: {name}: stopped while starting", file=sys.stderr, flush=True)
+    finally:
+        signals.starting = False    # whatever comes now only counts; the cleanup runs to its end
+        if not keep:
+            _stop(handles if owned else None, own_ray, owned, signals.hurry)
     return 0
+
+
+def _drain(cfg: ClusterConfig, signals: Signals, name: str) -> None:
+    print(f"strata: {name}: draining (new requests get 503; up to {cfg.server.drain_timeout:g}s for those in "
+          "flight; signal again to stop now)", file=sys.stderr, flush=True)
+    left, secs = drain(cfg.server.drain_timeout, lambda: signals.hurry)
+    print(f"strata: drained in {secs:.1f}s" + (f" ({left} requests cut)" if left else ""),
+          file=sys.stderr, flush=True)
+
+
+def _deploy_or_adopt(cfg: ClusterConfig, detached: bool, if_exists: str,
+                     signals: Signals) -> tuple[dict | None, bool]:
+    """Deploy, minding a strata cluster already running in the namespace. Returns (handles, owned):
+    owned is False for an adopted cluster, which this launch leaves running (handles None where even
+    the app was kept). ``fail`` raises FileExistsError."""
+    ns = cfg.ray.namespace
+    existing = running_actors(ns)
+    if existing and if_exists == "fail":
+        raise FileExistsError(f"a strata cluster already runs in namespace {ns!r} ({', '.join(existing)}); "
+                              "pass --if-exists adopt or replace")
+    if existing and if_exists == "replace":
+        killed = tear_down(ns, cfg.server.drain_timeout)
+        print(f"strata: replaced the running cluster ({', '.join(killed)})", flush=True)
+        existing = []
+    s = cfg.server
+    if existing:
+        phase = app_phase(APP_NAME)
+        if phase == "ready":
+            print(f"strata: serving {s.model_name} at http://{s.host}:{s.port} (adopted the running cluster: "
+                  f"{', '.join(existing)}; its actors keep the config they were started with: "
+                  "--if-exists replace applies this one)", flush=True)
+            return None, False
+        print(f"strata: adopting the running actors ({', '.join(existing)}); the app was {phase or 'absent'}",
+              flush=True)
+    start_serve(cfg)
+    handles = start_actors(cfg, detached=detached, get_if_exists=bool(existing))
+    # From here a signal waits for the ingress (seconds) and drains it: it may already be answering.
+    signals.starting = False
+    serve.run(ingress_app(cfg, handles), name=APP_NAME, route_prefix="/", blocking=False)
+    owned = not existing
+    print(f"strata: serving {s.model_name} at {handles['url']} "
+          f"({len(handles['workers'])} workers: {', '.join(handles['workers'])})", flush=True)
+    return handles, owned
+
+
+def _stop(handles: dict | None, own_ray: bool, owned: bool, hurry: bool = False) -> None:
+    """Strata's app and actors (when this launch made them), then the local Ray cluster it started."""
+    if owned and ray.is_initialized() and not (hurry and own_ray):   # in a hurry, ray.shutdown ends them all
+        # Only the app, not serve.shutdown(): Serve may run other apps on a cluster we joined, and on our
+        # own the controller's self-kill makes the raylet print a failed-task warning; ray.shutdown ends it.
+        shutdown(handles, serve_too=False)
+    if own_ray:
+        # Even when a signal cut ray.init short: it ends whatever node processes were started.
+        # wait_for_processes: return only once the GCS, raylet and workers are gone, so that nothing of
+        # this cluster outlives the command.
+        ray.shutdown(wait_for_processes=True)
+    elif ray.is_initialized():
+        ray.shutdown()
+    print("strata: stopped", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

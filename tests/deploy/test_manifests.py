@@ -247,7 +247,7 @@ def test_jobs_services_and_serve_config_point_at_the_code(overlay):
     rc = o[("RayCluster", "strata")]
     job, cron = o[("RayJob", "strata-launch")], o[("RayCronJob", "strata-rebalance")]
     config_file = f"{CONFIG_MOUNT}/cluster.yaml"
-    assert job["spec"]["entrypoint"] == f"python -m cluster.launch --config {config_file} --detach"
+    assert job["spec"]["entrypoint"] == f"python -m cluster.launch --config {config_file} --detach --if-exists replace"
     assert job["spec"]["clusterSelector"] == {"ray.io/cluster": rc["metadata"]["name"]}
     tmpl = cron["spec"]["jobTemplate"]
     assert tmpl["clusterSelector"] == {"ray.io/cluster": rc["metadata"]["name"]}
