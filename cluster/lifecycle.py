@@ -17,7 +17,7 @@ import ray
 from ray import serve
 
 APP_NAME = "strata"                 # the Serve application (route "/") of every launch
-PLACEMENT_GROUP = "strata-workers"
+PLACEMENT_GROUP = "strata-workers"      # left by deployments from before per-node placement (cluster/placement.py)
 STORAGE_ACTOR = "strata-storage"
 
 

@@ -18,6 +18,7 @@ from cluster.launch import set_ray_env
 set_ray_env()
 
 import ray  # noqa: E402
+from ray._private import ray_constants  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
@@ -31,6 +32,10 @@ class LocalCluster:
                  namespace: str = "strata", temp_dir: str | None = None) -> None:
         if nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {nodes}")
+        if ray_constants.ENABLE_RAY_CLUSTER:
+            # Ray read the variable when it was first imported: then its nodes would bind the outward IP.
+            raise RuntimeError("ray was imported before cluster.launch set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: "
+                               "import cluster.launch (or set the variable) before ray")
         # Unix socket paths must stay short: a pytest tmp_path is too long for them.
         self.temp_dir = temp_dir or tempfile.mkdtemp(prefix="smn", dir="/tmp")
         self._own_tmp = temp_dir is None
