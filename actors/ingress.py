@@ -11,6 +11,7 @@ import ray
 from ray import serve
 
 from actors.frontend import ServiceUnavailable, WorkerFailed
+from actors.handoff import KVHandoff, Reservation
 from actors.http_api import build_app
 from actors.routing import NoWorkerError, prompt_keys
 from actors.metrics import Metrics
@@ -18,7 +19,7 @@ from engine.async_engine import StreamItem
 from engine.model.loader import sampling_defaults
 from engine.model.tokenizer import TextTokenizer
 from engine.sampling import SamplingParams
-from storage.transfer import TransferError
+from storage.transfer import Destination, TransferError
 
 if TYPE_CHECKING:
     from cluster.config import ClusterConfig
@@ -36,6 +37,7 @@ class RayBackend:
         self.settings = settings
         self.router_cfg = None
         self.geometry = None
+        self.handoff = KVHandoff(self)
 
     async def stream(self, ids: list[int], params: SamplingParams, avoid: tuple[str, ...] = (),
                      pin: dict | None = None) -> AsyncIterator[StreamItem]:
@@ -59,9 +61,8 @@ class RayBackend:
             raise ServiceUnavailable(f"no route: {str(e).splitlines()[-1][:200]}") from None
         for w in {choice["prefill"], choice["decode"]} & set(avoid):
             await self._wait_alive(w)  # the only such worker failed this request: let it restart first
-        route = {"prefill": choice["prefill"], "decode": choice["decode"]}
         try:
-            async for item in self._serve(ids, params, choice, route):
+            async for item in self.handoff.run(ids, params, choice["prefill"], choice["decode"]):
                 yield item
         except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
             raise WorkerFailed(str(e).splitlines()[0][:300],
@@ -96,55 +97,44 @@ class RayBackend:
                     raise ServiceUnavailable(f"worker {worker} did not come back in {timeout:.0f}s") from None
                 await asyncio.sleep(0.5)
 
-    async def _serve(self, ids, params, choice, route) -> AsyncIterator[StreamItem]:
-        pre = self.workers[choice["prefill"]]
-        if choice["decode"] is None:
-            async for ref in pre.generate.remote(ids, params):
-                item = await asyncio.wait_for(ref, self.timeout)
-                item.route = route
-                yield item
-            return
-        dec = self.workers[choice["decode"]]
-        # The decode worker leases the pages first; the prefill worker sends the KV straight into them
-        # (storage/transfer); the decode worker commits the lease and streams. Any failure on the way
-        # cancels the lease (and an unanswered one expires on its own), so no page is stranded.
+    # ---- the handoff's Workers protocol (actors/handoff.py): the actors' calls, bounded, errors mapped ----
+    async def reserve(self, decode: str, prompt_len: int, prefill: str) -> Destination:
         try:
-            dest = await asyncio.wait_for(dec.reserve.remote(len(ids), pre), self.timeout)
+            return await asyncio.wait_for(self.workers[decode].reserve.remote(prompt_len, self.workers[prefill]),
+                                          self.timeout)
         except ray.exceptions.RayTaskError as e:
             raise _unwrap(e) from None
         except asyncio.TimeoutError:
-            raise ServiceUnavailable(f"decode worker {choice['decode']} did not reserve in time") from None
-        committed = False
+            raise ServiceUnavailable(f"decode worker {decode} did not reserve in time") from None
+
+    async def prefill_to(self, prefill: str, ids, params, res: Reservation):
+        # The receipt stays a reference: for ray_object the decode worker reads the packed KV from the
+        # object store directly, never through this replica.
+        first_ref, receipt_ref = self.workers[prefill].prefill_to.remote(ids, params, res.dest,
+                                                                          self.workers[res.decode])
         try:
-            first_ref, sent_ref = pre.prefill_to.remote(ids, params, dest, dec)
-            try:
-                first: StreamItem = await asyncio.wait_for(first_ref, self.timeout)
-            except ray.exceptions.RayTaskError as e:
-                raise _unwrap(e) from None
-            except asyncio.TimeoutError:
-                raise ServiceUnavailable(f"kv transfer to {choice['decode']} timed out") from None
-            first.route = route
-            if first.finished and first.finish_reason != "prefill":
-                yield first
-                return
-            cached, by_tier = first.cached_tokens, first.cached_tokens_by_tier
-            first.finished, first.finish_reason = False, None
-            yield first
-            # The receipt goes by reference: for ray_object the decode worker reads the packed KV from
-            # the object store directly.
-            async for ref in dec.decode_leased.remote(ids, dest.lease_id, sent_ref, params):
-                try:
-                    item: StreamItem = await asyncio.wait_for(ref, self.timeout)
-                except ray.exceptions.RayTaskError as e:
-                    raise _unwrap(e) from None
-                committed = True
-                if item.finished:
-                    item.cached_tokens, item.cached_tokens_by_tier = cached, by_tier
-                item.route = route
-                yield item
-        finally:
-            if not committed:   # fire and forget: a no-op once committed; a dead worker has no leases
-                dec.cancel.remote(dest.lease_id)
+            return await asyncio.wait_for(first_ref, self.timeout), receipt_ref
+        except ray.exceptions.RayTaskError as e:
+            raise _unwrap(e) from None
+        except asyncio.TimeoutError:
+            raise ServiceUnavailable(f"kv transfer to {res.decode} timed out") from None
+
+    async def decode_leased(self, decode: str, ids, lease_id: str, receipt, params):
+        async for ref in self.workers[decode].decode_leased.remote(ids, lease_id, receipt, params):
+            yield await self._item(ref)
+
+    def cancel(self, decode: str, lease_id: str) -> None:
+        self.workers[decode].cancel.remote(lease_id)
+
+    async def generate(self, worker: str, ids, params):
+        async for ref in self.workers[worker].generate.remote(ids, params):
+            yield await self._item(ref)
+
+    async def _item(self, ref) -> StreamItem:
+        try:
+            return await asyncio.wait_for(ref, self.timeout)
+        except ray.exceptions.RayTaskError as e:
+            raise _unwrap(e) from None
 
     async def server_info(self) -> dict:
         """The settings SGLang's tooling reads from /get_server_info, under SGLang's names."""

@@ -18,6 +18,7 @@ import ray
 from engine import Engine, EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine, StreamItem
 from storage.transfer import Destination, TransferConfig, TransferError, make_backend
+from storage.transfer.base import Receipt
 from storage.transfer.ray_object import unpack
 from storage.transfer.sends import SendRecord
 
@@ -198,16 +199,14 @@ class WorkerActor:
             raise TransferError(f"transfer to {dest.worker_id}: the lease's time was used up before sending")
         # Off the event loop: a one-sided send blocks until its completion (bounded by the budget).
         rec = await asyncio.to_thread(self.transfer.send, payload, dest, budget)
-        rec["route"] = {"from": self.worker_id, "to": dest.worker_id}
-        return last, rec
+        return last, rec._replace(sender=self.worker_id)
 
-    async def decode_leased(self, ids: list[int], lease_id: str, receipt: dict | None, params: SamplingParams):
+    async def decode_leased(self, ids: list[int], lease_id: str, receipt: Receipt | None, params: SamplingParams):
         """Decode side: commit ``lease_id`` (its pages now hold the prompt's KV) and stream tokens."""
         if receipt is None:
             await self.cancel(lease_id)
             raise TransferError(f"lease {lease_id}: nothing was sent")
-        receipt = dict(receipt)
-        packed = receipt.pop("packed", None)
+        packed, receipt = receipt.packed, receipt._replace(packed=None)
         fill = None
         if packed is not None:
             def fill(pools, lease):

@@ -202,7 +202,7 @@ class AsyncEngine:
         rid = rid or self.new_rid()
         return self._stream(rid, lambda e: e.add_request(prompt, params, rid, prefill_only=prefill_only))
 
-    def decode_leased(self, prompt, lease_id: str, info: dict, params: SamplingParams, now: float,
+    def decode_leased(self, prompt, lease_id: str, info, params: SamplingParams, now: float,
                       fill=None, rid: str | None = None) -> AsyncIterator[StreamItem]:
         """Admit a request whose KV a transfer put into the pages of ``lease_id`` (Engine.add_leased)."""
         rid = rid or self.new_rid()

@@ -98,16 +98,16 @@ def import_kv(req: Request, p: KVPayload, pools: KVPools, geom: KVGeometry, make
     req.status = Status.RUNNING
 
 
-def admit_leased(req: Request, pages: dict, reserved_first: int, info: dict, pools: KVPools,
+def admit_leased(req: Request, pages: dict, reserved_first: int, info, pools: KVPools,
                  geom: KVGeometry) -> None:
     """Make a request of pages a transfer filled in place (storage/transfer): ``pages`` are a committed
     lease's {"full": [n_full], "swa": pages of logical [reserved_first, n_full)}; ``info`` the sender's
-    receipt. The payload's window may start after ``reserved_first``: those leading pages are freed.
+    receipt (storage/transfer.Receipt). The payload's window may start after ``reserved_first``: those leading pages are freed.
     Raises ValueError (pages untouched, still the caller's) when the receipt does not fit them."""
     window = geom.window
-    n = info["prompt_len"]
+    n = info.prompt_len
     n_full = geom.pages(n)
-    first = info["swa_first_page"] if window else 0
+    first = info.swa_first_page if window else 0
     off = first - reserved_first
     swa = list(pages.get("swa", []))
     if len(pages["full"]) != n_full:
@@ -117,13 +117,13 @@ def admit_leased(req: Request, pages: dict, reserved_first: int, info: dict, poo
         if not (lo <= first <= hi and 0 <= off <= len(swa) and len(swa) - off == n_full - first):
             raise ValueError(f"kv transfer: SWA window from page {first} does not fit the lease "
                              f"({len(swa)} pages from {reserved_first})")
-        if info["swa_valid_from"] > geom.swa_lo(n):
-            raise ValueError(f"kv transfer: swa data starts at {info['swa_valid_from']}, after the window")
+        if info.swa_valid_from > geom.swa_lo(n):
+            raise ValueError(f"kv transfer: swa data starts at {info.swa_valid_from}, after the window")
         if off:
             pools.swa.allocator.free(swa[:off])
     req.full_pages = list(pages["full"])
     req.swa_pages = [None] * first + swa[off:] if window else []
     req.num_computed = n
-    req.swa_valid_from = info["swa_valid_from"]
-    req.output_ids = [info["first_token"]]
+    req.swa_valid_from = info.swa_valid_from
+    req.output_ids = [info.first_token]
     req.status = Status.RUNNING

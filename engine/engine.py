@@ -209,19 +209,19 @@ class Engine:
         return self.leases.reserve(lease_id, need, now, ttl,
                                    {**(meta or {}), "prompt_len": prompt_len, "swa_first_page": first})
 
-    def add_leased(self, prompt: Prompt, lease_id: str, info: dict, params: SamplingParams | None = None,
+    def add_leased(self, prompt: Prompt, lease_id: str, info, params: SamplingParams | None = None,
                    rid: str | None = None, now: float = 0.0, fill=None) -> str:
         """Admit a request straight into decode from pages a transfer filled under ``lease_id``
-        (``fill(pools, lease)`` copies a two-sided payload in first). ``info``: the sender's receipt
-        (prompt_len, first_token, swa_first_page, swa_valid_from). Raises TransferError when the lease is
+        (``fill(pools, lease)`` copies a two-sided payload in first). ``info``: the sender's Receipt
+        (storage/transfer: prompt_len, first_token, swa_first_page, swa_valid_from). Raises TransferError when the lease is
         gone, ValueError on a bad request or receipt; on any error the lease's pages are freed."""
         try:
             req = self._new_request(prompt, params, rid)
             lease = self.leases.get(lease_id, now)
-            if info.get("prompt_len") != len(req.prompt_ids) or lease.meta["prompt_len"] != len(req.prompt_ids):
-                raise ValueError(f"kv transfer: covers {info.get('prompt_len')} tokens, prompt has {len(req.prompt_ids)}")
-            if not 0 <= info["first_token"] < self.model_config.vocab_size:
-                raise ValueError(f"kv transfer: first token {info['first_token']} outside the vocabulary")
+            if getattr(info, "prompt_len", None) != len(req.prompt_ids) or lease.meta["prompt_len"] != len(req.prompt_ids):
+                raise ValueError(f"kv transfer: covers {getattr(info, 'prompt_len', None)} tokens, prompt has {len(req.prompt_ids)}")
+            if not 0 <= info.first_token < self.model_config.vocab_size:
+                raise ValueError(f"kv transfer: first token {info.first_token} outside the vocabulary")
         except BaseException:
             self.leases.cancel(lease_id)
             raise
@@ -237,7 +237,7 @@ class Engine:
             raise
         self.requests[req.rid] = req
         self.scheduler.running.append(req)
-        reason = self._stop_reason(req, info["first_token"])
+        reason = self._stop_reason(req, info.first_token)
         if reason is not None:
             self._finish(req, reason)
         return req.rid

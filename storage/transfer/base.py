@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping, NamedTuple
 
 from storage.pools import PageAllocator
 
@@ -240,9 +240,9 @@ class TransferBackend(ABC):
         """What a prefill side needs to reach this worker's pages (empty for two-sided backends)."""
 
     @abstractmethod
-    def send(self, payload, dest: Destination, timeout: float) -> dict:
-        """Move ``payload`` (engine/disagg.KVPayload) into ``dest``; returns a receipt
-        {"bytes", "seconds", ...}; raises TransferError on failure or past ``timeout``."""
+    def send(self, payload, dest: Destination, timeout: float) -> Receipt:
+        """Move ``payload`` (engine/disagg.KVPayload) into ``dest``; raises TransferError on failure or
+        past ``timeout``."""
 
     def wait_arrival(self, lease_id: str, timeout: float) -> None:
         """Decode side: block until the data of ``lease_id`` is known to have landed."""
@@ -287,8 +287,19 @@ def check_fits(payload, dest: Destination) -> int:
     return max(off, 0)
 
 
-def receipt(payload, **extra) -> dict:
-    """What the decode side needs besides the page bytes to admit the request."""
-    return {"prompt_len": payload.prompt_len, "first_token": payload.first_token,
-            "swa_first_page": payload.swa_first_page, "swa_valid_from": payload.swa_valid_from,
-            "bytes": payload.nbytes, **extra}
+class Receipt(NamedTuple):
+    """What the decode side needs besides the page bytes to admit a transferred request."""
+    prompt_len: int
+    first_token: int
+    swa_first_page: int
+    swa_valid_from: int
+    bytes: int = 0
+    seconds: float = 0.0
+    descriptors: int = 0
+    packed: Any = None              # ray_object: the packed KV itself (it travels through the object store)
+    sender: str = ""                # the prefill worker that sent it
+
+
+def receipt(payload, **extra) -> Receipt:
+    return Receipt(payload.prompt_len, payload.first_token, payload.swa_first_page, payload.swa_valid_from,
+                   **{"bytes": payload.nbytes, **extra})

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 
-from storage.transfer.base import Destination, TransferBackend, TransferError, check_fits, receipt
+from storage.transfer.base import Destination, Receipt, TransferBackend, TransferError, check_fits, receipt
 from storage.transfer.staging import Staging, pool_regions
 
 
@@ -111,7 +111,7 @@ class NixlBackend(TransferBackend):
                 except Exception:  # noqa: BLE001
                     pass
 
-    def send(self, payload, dest: Destination, timeout: float) -> dict:
+    def send(self, payload, dest: Destination, timeout: float) -> Receipt:
         if self.staging is None:
             raise TransferError("nixl: this worker has no staging buffer (not a prefill worker)")
         t0 = time.monotonic()

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from storage.transfer.base import Destination, TransferBackend, TransferError, check_fits, receipt
+from storage.transfer.base import Destination, Receipt, TransferBackend, TransferError, check_fits, receipt
 
 
 def pack(payload, dest: Destination):
@@ -57,7 +57,7 @@ class RayObjectBackend(TransferBackend):
     def peer_info(self) -> dict:
         return {}
 
-    def send(self, payload, dest: Destination, timeout: float) -> dict:
+    def send(self, payload, dest: Destination, timeout: float) -> Receipt:
         t0 = time.perf_counter()
         try:
             packed = pack(payload, dest)

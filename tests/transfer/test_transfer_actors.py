@@ -10,6 +10,7 @@ import pytest
 from engine import Engine, EngineConfig, SamplingParams
 from engine.model.loader import resolve_model_path
 from storage.transfer import TransferConfig
+from storage.transfer.base import Receipt
 from tests import numerics
 
 ray = pytest.importorskip("ray")
@@ -163,9 +164,7 @@ def test_a_stalled_transfer_times_out_cleanly_and_frees_both_sides(pairs):
         assert st["live"] == 0 and st["expired"] == 1
         # a late commit is refused, not served from freed pages
         with pytest.raises(ray.exceptions.RayTaskError, match="expired or was cancelled"):
-            for ref in dec.decode_leased.remote(ids, dest.lease_id, {"prompt_len": len(ids), "first_token": 1,
-                                                                   "swa_first_page": 0, "swa_valid_from": 0,
-                                                                   "packed": None}, SP):
+            for ref in dec.decode_leased.remote(ids, dest.lease_id, Receipt(len(ids), 1, 0, 0), SP):
                 ray.get(ref, timeout=60)
         for w in (pre, dec):
             assert _used(ray.get(w.stats.remote())) == 0

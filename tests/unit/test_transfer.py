@@ -133,7 +133,7 @@ def test_leased_transfer_between_engines_gives_identical_tokens_and_frees_everyt
         drids = []
         for p, kv, lease in zip(_prompts(), payloads, leases):
             rec = be.send(kv, _dest(lease), timeout=5.0)
-            packed = rec.pop("packed")
+            packed, rec = rec.packed, rec._replace(packed=None)
             fill = lambda pools, l, packed=packed: unpack(packed, l.pages["full"], l.pages["swa"],
                                                           l.meta["swa_first_page"], pools)
             drids.append(dec.add_leased(p, lease.lease_id, rec, sp, now=1.0, fill=fill))
