@@ -2,7 +2,6 @@
 Prefill and decode run on different raylets (the KV crosses Ray's object manager), and a conversation
 continued on the other prefill worker gets its prefix from the shared L3, with tokens equal to
 Engine.generate."""
-import threading
 import time
 
 import httpx
@@ -11,6 +10,7 @@ import ray
 
 from engine import Engine, SamplingParams
 from tests import numerics
+from tests.multinode.load import Load, routes
 
 
 @pytest.fixture(scope="module")
@@ -71,55 +71,30 @@ def test_scale_out_then_in_while_serving_fails_no_request(mn, reference):
     from cluster.scale import scale
     prompts = [[(i * k) % 251 for i in range(40 + 37 * k)] for k in range(1, 5)]
     want = {tuple(p): _want(reference, p, 6) for p in prompts}
-    stop, results = threading.Event(), []
-
-    def client(k):
-        i = 0
-        while not stop.is_set():
-            ids = prompts[(k + i) % len(prompts)]
-            i += 1
-            try:
-                r = httpx.post(f"{mn['url']}/generate", timeout=120, json={
-                    "input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
-                results.append((ids, r.status_code, r.json() if r.status_code == 200 else r.text))
-            except httpx.HTTPError as e:
-                results.append((ids, 0, repr(e)))
-
-    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(3)]
-    for t in threads:
-        t.start()
+    load = Load(mn["url"], prompts)
     try:
         out = scale(mn["cfg"], {"prefill": 3, "decode": 2})
         assert sorted(out.added) == ["decode-1", "prefill-2"] and not out.removed
-        n_before = len(results)
+        n_before = len(load.results)
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not {"prefill-2", "decode-1"} <= _routes(results[n_before:]):
+        while time.monotonic() < deadline and not {"prefill-2", "decode-1"} <= routes(load.results[n_before:]):
             time.sleep(0.5)
-        assert {"prefill-2", "decode-1"} <= _routes(results[n_before:])
+        assert {"prefill-2", "decode-1"} <= routes(load.results[n_before:])
         back = scale(mn["cfg"], {"prefill": 2, "decode": 1})
         assert sorted(back.removed) == ["decode-1", "prefill-2"] and not back.added
-        n_after = len(results)
+        n_after = len(load.results)
         time.sleep(3)
     finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=150)
-    failed = [(len(ids), code, body) for ids, code, body in results if code != 200]
+        results = load.stop()
+    failed = [(len(r.ids), r.status, r.body) for r in results if r.status != 200]
     assert not failed, failed[:3]
     assert len(results) > n_after
-    for ids, _, body in results:
-        numerics.assert_same_output(body["output_ids"], want[tuple(ids)], reference.model_config, "during scaling")
-    assert not {"prefill-2", "decode-1"} & _routes(results[n_after + 3:])
+    for r in results:
+        numerics.assert_same_output(r.body["output_ids"], want[tuple(r.ids)], reference.model_config, "during scaling")
+    assert not {"prefill-2", "decode-1"} & routes(results[n_after + 3:])
     st = ray.get(mn["router"].status.remote())
     assert set(st["workers"]) == {"prefill-0", "prefill-1", "decode-0"}
     for w in ("prefill-2", "decode-1"):
         with pytest.raises(ValueError):
             ray.get_actor(f"strata-{w}", namespace=mn["cfg"].ray.namespace)
 
-
-def _routes(results) -> set:
-    out = set()
-    for _, code, body in results:
-        if code == 200:
-            out |= {body["meta_info"]["route"]["prefill"], body["meta_info"]["route"]["decode"]}
-    return out

@@ -2,10 +2,8 @@
 worker it ran is recreated on a surviving node, requests in flight get clean errors or complete, no
 request gets wrong tokens, the router drops the dead worker's pages, and the time to recover is
 measured (printed; bench/multinode.py records it)."""
-import threading
 import time
 
-import httpx
 import pytest
 import ray
 
@@ -13,6 +11,7 @@ from cluster import launch
 from engine import Engine, SamplingParams
 from tests import numerics
 from tests.multinode.conftest import mn_config
+from tests.multinode.load import Load
 
 pytestmark = pytest.mark.slow
 
@@ -34,47 +33,29 @@ def _run(lc, h):
     want = {tuple(p): ref.generate([p], SamplingParams(max_new_tokens=6, return_logits=True))[0] for p in prompts}
     where = dict(zip(h["workers"], ray.get([w.node.remote() for w in h["workers"].values()])))
     victim = next(w for w in ("prefill-1", "prefill-0") if lc.index_of(where[w]) != 0)
-    stop, results = threading.Event(), []
-
-    def client(k):
-        i = 0
-        while not stop.is_set():
-            ids = prompts[(k + i) % len(prompts)]
-            i += 1
-            t = time.monotonic()
-            try:
-                r = httpx.post(f"{url}/generate", timeout=120, json={
-                    "input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
-                results.append((t, ids, r.status_code, r.json() if r.status_code == 200 else r.text))
-            except httpx.HTTPError as e:
-                results.append((t, ids, 0, repr(e)))
-
-    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(3)]
-    for t in threads:
-        t.start()
+    load = Load(url, prompts)
     time.sleep(3)
     t_kill = time.monotonic()
     lc.remove_node(lc.index_of(where[victim]))
     # recovered: the victim serves again, from another node
     back = None
     while time.monotonic() - t_kill < 120:
-        if any(t > t_kill and c == 200 and b["meta_info"]["route"]["prefill"] == victim for t, _, c, b in results):
+        if any(r.sent_at > t_kill and r.status == 200 and r.body["meta_info"]["route"]["prefill"] == victim
+               for r in list(load.results)):
             back = time.monotonic() - t_kill
             break
         time.sleep(0.2)
-    stop.set()
-    for t in threads:
-        t.join(timeout=150)
+    results = load.stop()
     assert back is not None, f"{victim} did not serve again within 120 s"
     new_node = ray.get(h["workers"][victim].node.remote(), timeout=60)
     assert new_node != where[victim] and any(n["NodeID"] == new_node and n["Alive"] for n in ray.nodes())
-    bad = [(c, b) for _, _, c, b in results if c != 200]
+    bad = [(r.status, r.body) for r in results if r.status != 200]
     for c, b in bad:   # clean errors only: a status and a message, never a hang or a dropped connection
         assert c in (500, 502, 503), (c, b)
-    for _, ids, c, b in results:
-        if c == 200:
-            numerics.assert_same_output(b["output_ids"], want[tuple(ids)], ref.model_config, "node loss")
-    first_ok = min((t for t, _, c, _ in results if t > t_kill and c == 200), default=None)
+    for r in results:
+        if r.status == 200:
+            numerics.assert_same_output(r.body["output_ids"], want[tuple(r.ids)], ref.model_config, "node loss")
+    first_ok = min((r.sent_at for r in results if r.sent_at > t_kill and r.status == 200), default=None)
     print(f"\nnode loss: {len(results)} requests, {len(bad)} failed cleanly; first success after the kill "
           f"{(first_ok - t_kill) if first_ok else float('nan'):.1f}s; {victim} serving again after {back:.1f}s")
     assert ray.get(router.status.remote())["workers"][victim]["live"]
