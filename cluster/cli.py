@@ -74,12 +74,14 @@ def _connect(args: argparse.Namespace):
 
 def _scale(args: argparse.Namespace) -> int:
     targets = {r: n for r, n in (("prefill", args.prefill), ("decode", args.decode)) if n is not None}
-    if not targets:
-        raise ValueError("say how many: --prefill N and/or --decode M")
+    if not targets and not args.config:
+        raise ValueError("say how many: --prefill N and/or --decode M, or --config YAML (its workers section)")
     import ray
 
     from cluster.scale import scale
     cfg, started = _connect(args)
+    if not targets:   # redeploying a changed YAML: its worker counts
+        targets = {"prefill": cfg.workers.prefill, "decode": cfg.workers.decode}
     try:
         res = scale(cfg, targets, drain_timeout=args.drain_timeout)
     finally:
@@ -165,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("scale", help="add or drain prefill/decode workers of a running cluster")
     c.add_argument("--prefill", type=int, default=None, help="prefill workers wanted")
     c.add_argument("--decode", type=int, default=None, help="decode workers wanted")
-    c.add_argument("--config", default=None, help="the cluster's YAML (namespace, placement)")
+    c.add_argument("--config", default=None,
+                   help="the cluster's YAML (namespace, placement); without --prefill/--decode, its worker counts")
     c.add_argument("--address", default=None, help="Ray address of the cluster (default: RAY_ADDRESS)")
     c.add_argument("--drain-timeout", type=float, default=120.0, help="seconds a removed worker may drain")
     c.set_defaults(fn=_scale)

@@ -38,8 +38,10 @@ def _run(lc, h):
     t_kill = time.monotonic()
     lc.remove_node(lc.index_of(where[victim]))
     # recovered: the victim serves again, from another node
-    back = None
+    back, dropped = None, False
     while time.monotonic() - t_kill < 120:
+        st = ray.get(router.status.remote(), timeout=30)["workers"].get(victim)
+        dropped = dropped or (st is not None and not st["live"])    # silent: its pages no longer counted
         if any(r.sent_at > t_kill and r.status == 200 and r.body["meta_info"]["route"]["prefill"] == victim
                for r in list(load.results)):
             back = time.monotonic() - t_kill
@@ -47,6 +49,8 @@ def _run(lc, h):
         time.sleep(0.2)
     results = load.stop()
     assert back is not None, f"{victim} did not serve again within 120 s"
+    # (a restart within stale_after reports "fresh", which drops the old pages the same way)
+    assert dropped or back < 10, f"the router never stopped counting {victim}'s pages while its node was gone"
     new_node = ray.get(h["workers"][victim].node.remote(), timeout=60)
     assert new_node != where[victim] and any(n["NodeID"] == new_node and n["Alive"] for n in ray.nodes())
     bad = [(r.status, r.body) for r in results if r.status != 200]
