@@ -79,11 +79,16 @@ def start_local_ray(attempts: int = 3, **kwargs) -> None:
             time.sleep(5)
 
 
-def deploy(cfg: ClusterConfig, detached: bool = False, ready_timeout: float = 120.0) -> dict:
-    """Create router, workers and ingress; returns their handles once every worker has reported. The
-    port answers 503 "starting" (lifecycle.StartingIngress) while the workers load, and the ingress
-    replaces that placeholder once it is up."""
-    start_serve(cfg)
+def deploy(cfg: ClusterConfig, detached: bool = False, ready_timeout: float = 120.0,
+           placeholder: bool = False) -> dict:
+    """Create router, workers and ingress; returns their handles once the ingress serves. With
+    ``placeholder`` (what ``strata serve`` and the RayJob do) the port answers 503 "starting"
+    (lifecycle.StartingIngress) while the workers load, and the ingress replaces that placeholder; a
+    caller that only talks to the returned cluster (tests, benches) skips it and its rolling update."""
+    if placeholder:
+        start_serve(cfg)
+    else:
+        start_proxy(cfg)
     handles = start_actors(cfg, detached=detached, ready_timeout=ready_timeout)
     serve.run(ingress_app(cfg, handles), name=APP_NAME, route_prefix="/", blocking=False)
     return handles
@@ -94,9 +99,7 @@ def start_serve(cfg: ClusterConfig) -> None:
     Waits until the placeholder runs before the workers start loading: the proxy holds a request between
     learning the route and learning its replica, and that wait is ~2 s alone but 5-7 s on a busy box."""
     s = cfg.server
-    # One HTTP proxy, on the launching node: Serve's default (one per node) would have every raylet of a
-    # one-machine cluster bind the same host:port, and the server's address is the launching node's.
-    serve.start(http_options={"host": s.host, "port": s.port}, proxy_location="HeadOnly")
+    start_proxy(cfg)
     if app_phase(APP_NAME) is not None:
         return
     # It answers at once, so its stop need not wait Serve's default 2 s loop / 20 s timeout.
@@ -104,6 +107,13 @@ def start_serve(cfg: ClusterConfig) -> None:
                            graceful_shutdown_wait_loop_s=0.1, graceful_shutdown_timeout_s=1,
                            **ingress_options(s)).bind()
     serve.run(app, name=APP_NAME, route_prefix="/")
+
+
+def start_proxy(cfg: ClusterConfig) -> None:
+    s = cfg.server
+    # One HTTP proxy, on the launching node: Serve's default (one per node) would have every raylet of a
+    # one-machine cluster bind the same host:port, and the server's address is the launching node's.
+    serve.start(http_options={"host": s.host, "port": s.port}, proxy_location="HeadOnly")
 
 
 def ingress_options(s) -> dict:

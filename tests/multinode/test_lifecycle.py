@@ -200,6 +200,7 @@ def assert_exited_cleanly(s: Served, t_signal: float, bound: float) -> float:
     return took
 
 
+@pytest.mark.slow
 def test_sigint_to_a_background_serve_drains_and_stops_cleanly(served):
     s = served
     t0 = time.monotonic()
