@@ -111,15 +111,7 @@ class HiCache:
             self._drop_prefetch(prefetch)
             return self._give_up(hit)
         hit.waits += [f for f in (self._loading.get(nd.id) for nd in res.nodes) if f is not None and not f.done]
-        lo = res.num_pages - self.tree.window_pages if self.has_swa else res.num_pages
-        for nd in res.nodes:
-            hit.full_pages += nd.l1[FULL]
-            swa = nd.l1[SWA]
-            if nd.end <= lo or swa is None:
-                hit.swa_pages += [None] * nd.num_pages
-            else:
-                cut = max(0, lo - nd.depth)
-                hit.swa_pages += [None] * cut + swa[cut:]
+        self._gather_l1(hit, res.nodes, res.num_pages)
         hit.tokens_by_tier = {"L1": res.full_l1 * ps, "L2": from_l2 * ps, "L3": 0}
         hit = self._take_prefetch(prefetch, hit, now)
         self._count_hit(hit)
@@ -139,6 +131,19 @@ class HiCache:
                    or (wp and nd.end > m - wp and nd.best_tier(SWA) == L3)]
             res = self.tree.match_prefix(keys[:min(bad)], now=now) if min(bad) else type(res)(node=self.tree.root)
         return res
+
+    def _gather_l1(self, hit: PrefixHit, nodes, n: int) -> None:
+        """Append the L1 pages of ``nodes`` (a path from the root, ``n`` pages in all) to ``hit``: every
+        full page, and SWA pages only inside the last window (None before it)."""
+        lo = n - self.tree.window_pages if self.has_swa else n
+        for nd in nodes:
+            hit.full_pages += nd.l1[FULL]
+            swa = nd.l1[SWA]
+            if nd.end <= lo or swa is None:
+                hit.swa_pages += [None] * nd.num_pages
+            else:
+                cut = max(0, lo - nd.depth)
+                hit.swa_pages += [None] * cut + swa[cut:]
 
     def _count_hit(self, hit: PrefixHit) -> PrefixHit:
         for t, v in hit.tokens_by_tier.items():
@@ -227,15 +232,7 @@ class HiCache:
         res = self.tree.insert(keys, list(full_pages), swa, now=now)
         hit = PrefixHit(node=res.node, num_pages=n, keys=keys)
         self._lock(hit)
-        lo = n - self.tree.window_pages if self.has_swa else n
-        for nd in res.node.path():
-            hit.full_pages += nd.l1[FULL]   # an insert leaves its whole path in L1
-            sp = nd.l1[SWA]
-            if nd.end <= lo or sp is None:
-                hit.swa_pages += [None] * nd.num_pages
-            else:
-                cut = max(0, lo - nd.depth)
-                hit.swa_pages += [None] * cut + sp[cut:]
+        self._gather_l1(hit, res.node.path(), n)   # an insert leaves its whole path in L1
         if self.cfg is not None and self.cfg.write_policy == "write_through":
             for nd in res.node.path():
                 self._backup(nd, now)
