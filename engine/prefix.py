@@ -37,15 +37,23 @@ class PrefixCacheHooks(SchedulerHooks):
             n = min(n, max(req.params.logprob_start_len, 1) - 1 + req.num_prompt_logprobs_done())
         return n // self.cache.page_size
 
-    def on_admit(self, req: Request) -> None:
-        if req.hit is not None or req.num_computed:
-            return
-        prefetch, req.prefetch = req.prefetch, None
-        hit = self.cache.match(req.tokens(0, req.seq_len), self._max_pages(req), self.clock(), prefetch=prefetch)
+    def on_admit(self, req: Request, room=None) -> bool:
+        if req.num_computed or (req.hit is not None and not req.hit.deferred):
+            return True
+        if req.hit is not None:   # waited for room to load its L2 pages: ask again
+            hit = self.cache.resume(req.hit, self.clock(), req.prefetch, room)
+        else:
+            hit = self.cache.match(req.tokens(0, req.seq_len), self._max_pages(req), self.clock(),
+                                   prefetch=req.prefetch, room=room)
+        if hit.deferred:
+            req.hit = hit   # locked but not loaded; keeps its prefetch until it completes
+            return False
+        req.prefetch = None
+        req.hit = None
         if hit.num_pages == 0:
             req.cached_tokens = 0
             req.cached_by_tier = dict(hit.tokens_by_tier)
-            return
+            return True
         req.hit = hit
         req.full_pages = list(hit.full_pages)
         req.num_shared_full = hit.num_pages
@@ -56,6 +64,16 @@ class PrefixCacheHooks(SchedulerHooks):
         req.swa_valid_from = present[0] * self.cache.page_size if present else req.num_computed
         req.cached_tokens = req.num_computed
         req.cached_by_tier = dict(hit.tokens_by_tier)
+        return True
+
+    def reclaimable(self, component: str) -> int:
+        return self.cache.reclaimable_l1(component)
+
+    def after_forward(self, reqs) -> None:
+        """A forward ran for ``reqs``: the pages loaded for their hits have been read."""
+        for req in reqs:
+            if req.hit is not None and req.hit.unread:
+                self.cache.mark_read(req.hit)
 
     def on_release(self, req: Request) -> None:
         if req.prefetch is not None:

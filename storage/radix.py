@@ -315,6 +315,15 @@ class RadixTree(TierOps, ReadOps):
         if node.tokens is None and toks is not None:
             node.tokens = toks[i * self.page_size:(i + k) * self.page_size]
 
+    def split(self, node: Node, k: int) -> Node:
+        """Cut ``node`` after its first ``k`` pages; returns the new upper node (the original object
+        stays the lower part). The tree means the same; for a caller about to move only part of a
+        node's data (a load of just the SWA pages inside a window)."""
+        self._check_live(node)
+        if node is self.root or not 0 < k < node.num_pages:
+            raise ValueError(f"cannot split {node!r} after {k} pages")
+        return self._split(node, k)
+
     # ------------------------------------------------------------------ locks
 
     def _check_live(self, node: Node) -> None:
