@@ -214,6 +214,13 @@ class PageHasher:
         return new
 
 
+_FIRST_PAGE_MEMO = 1 << 14
+_FIRST_PAGE_KEYS: dict[tuple, bytes] = {}
+"""(root key, first page's tokens) -> that page's key: a radix walk starts by looking the first page up
+among the root's children, which are too many to tell apart by tokens, and the first pages of a workload
+(system prompts, conversations) come back again and again. Pure memoisation: the same key either way."""
+
+
 class SequenceKeys(Sequence[bytes]):
     """The page keys of one token sequence, computed on demand and remembered: a ``Sequence[bytes]`` of
     ``num_pages`` keys (default: every full page), equal element for element to ``page_keys``.
@@ -265,6 +272,12 @@ class SequenceKeys(Sequence[bytes]):
             return keys[i]
         if i == len(keys) and _LITTLE:  # the next page alone (a tree walk's step): skip the general path
             ps = self.page_size
+            if i == 0:   # every lookup starts here: the first pages of a workload repeat (memo below)
+                memo_key = (self._root, tuple(self.tokens[:ps]))
+                key = _FIRST_PAGE_KEYS.get(memo_key)
+                if key is not None:
+                    keys.append(key)
+                    return key
             try:
                 enc = array.array("q", self.tokens[i * ps:(i + 1) * ps]).tobytes()
             except (TypeError, OverflowError):
@@ -275,6 +288,10 @@ class SequenceKeys(Sequence[bytes]):
             h.update(keys[-1] if keys else self._root)
             h.update(enc)
             keys.append(h.digest())
+            if i == 0:
+                if len(_FIRST_PAGE_KEYS) >= _FIRST_PAGE_MEMO:
+                    _FIRST_PAGE_KEYS.clear()   # crude bound; a repeat just hashes again
+                _FIRST_PAGE_KEYS[memo_key] = keys[0]
             return keys[i]
         self._ensure(i + 1)
         return keys[i]

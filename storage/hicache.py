@@ -102,7 +102,33 @@ class HiCache(LoadBackOps):
         if from_l2 and (self.host is None or from_l2 < self.cfg.load_back_threshold_pages):
             self._drop_prefetch(prefetch)
             return self._give_up(hit)   # short L2 runs are cheaper to recompute
-        return self.resume(hit, now, prefetch, room)
+        if from_l2 or res.swa_l2 or self._loading:
+            return self.resume(hit, now, prefetch, room)
+        return self._l1_hit(hit, res, now, prefetch, room)
+
+    def _l1_hit(self, hit: PrefixHit, res, now: float, prefetch, room: Optional[Room]) -> PrefixHit:
+        """``resume`` for the common hit that is all in L1 and not being loaded (nothing to move): its
+        pages straight from the match result."""
+        if room is not None and not room(hit.num_pages, {}):
+            self.stats["loadback"]["deferred"] += 1
+            hit.deferred = True
+            return hit
+        m = hit.num_pages
+        hit.full_pages = res.l1_full
+        if self.has_swa:
+            lo = m - self.tree.window_pages
+            hit.swa_pages = [None] * lo + res.l1_swa[lo:] if lo > 0 else res.l1_swa
+        else:
+            hit.swa_pages = [None] * m
+        hit.tokens_by_tier = {"L1": m * self.page_size, "L2": 0, "L3": 0}
+        if prefetch is not None:
+            hit = self._take_prefetch(prefetch, hit, now)
+        self._count_hit(hit)
+        if self.cfg is not None and self.cfg.write_policy == "write_through_selective":
+            for nd in res.nodes:
+                if nd.hit_count >= self.cfg.write_through_threshold:
+                    self._backup(nd, now)
+        return hit
 
     def _match_l12(self, keys: list[bytes], res, now: float):
         """Cut a match short of its first page that only L3 holds (full, or SWA inside the last window):

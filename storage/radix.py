@@ -36,6 +36,8 @@ Rules (checked by ``check_integrity``, see storage/radix_check.py):
 from __future__ import annotations
 
 from collections import Counter
+from itertools import islice, repeat
+from operator import is_not
 from typing import Optional, Sequence
 
 from storage.hashing import DEFAULT_SEED, Seed, SequenceKeys, page_keys
@@ -63,12 +65,14 @@ _SCAN_CHILDREN = 8
 
 
 def _run(swa: list, i: int, limit: int) -> int:
-    """Length of the run starting at ``i`` (before ``limit``) where SWA pages are all given or all None."""
-    given = swa[i] is not None
-    j = i + 1
-    while j < limit and (swa[j] is not None) == given:
-        j += 1
-    return j - i
+    """Length of the run starting at ``i`` (before ``limit``) where SWA pages are all given or all None
+    (found at C speed: this runs over every page of every insert)."""
+    try:
+        if swa[i] is None:
+            return list(map(is_not, islice(swa, i, limit), repeat(None))).index(True)
+        return swa.index(None, i, limit) - i
+    except ValueError:
+        return limit - i
 
 
 class RadixTree(TierOps, ReadOps):
@@ -137,18 +141,47 @@ class RadixTree(TierOps, ReadOps):
         path: list[tuple[Node, int]] = []  # (node, pages of it matched)
         cur, i = self.root, 0
         by_tokens = isinstance(keys, SequenceKeys) and keys.page_size == self.page_size
-        n_keys = len(keys)
+        n_keys, ps, root = len(keys), self.page_size, self.root
+        toks = keys.tokens if by_tokens else None
         while i < n_keys:
-            child = self._child(cur, keys, i) if by_tokens else cur.children.get(keys[i])
+            # The hot loop of every request: _child and SequenceKeys.match_run inlined for the common
+            # case (a few children told apart by their first page; a whole edge equal to the tokens).
+            children = cur.children
+            if by_tokens and cur is not root and len(children) <= _SCAN_CHILDREN:
+                a = i * ps
+                page, child, hashed_only = toks[a:a + ps], None, False
+                for ch in children.values():
+                    t = ch.tokens
+                    if t is None:
+                        hashed_only = True
+                    elif t[:ps] == page:
+                        child = ch
+                        break
+                if child is None:
+                    if not hashed_only:
+                        break
+                    child = children.get(keys[i])
+            elif by_tokens:
+                child = children.get(keys[i])
+            else:
+                child = children.get(keys[i])
             if child is None:
                 break
-            if by_tokens and child.tokens is not None:
-                k = keys.match_run(i, child.keys, child.tokens)
+            ck, ct = child.keys, child.tokens
+            if by_tokens and ct is not None:
+                nk, a = len(ck), i * ps
+                if i + nk <= n_keys and toks[a:a + nk * ps] == ct:
+                    k = nk
+                    known = len(keys._keys)
+                    if i <= known < i + k:   # the edge's keys are this sequence's: taken, not hashed
+                        keys._keys += ck[known - i:]
+                else:
+                    k = keys.match_run(i, ck, ct)
             else:
-                k = _common(child.keys, keys, i)
+                k = _common(ck, keys, i)
             path.append((child, k))
             i += k
-            if k < len(child.keys):
+            if k < len(ck):
                 break
             cur = child
         res = MatchResult(node=self.root, matched_pages=i)
@@ -171,7 +204,7 @@ class RadixTree(TierOps, ReadOps):
         nodes = [n for n, _ in path[:best]] + [last]
         res.node, res.nodes, res.num_pages = last, nodes, last.end
         full_l1, l1_full, l1_swa = 0, res.l1_full, res.l1_swa
-        full_lrus = self._full_lrus
+        (lru1, keyed1), (lru2, keyed2) = ((lru, lru._key) for lru in self._full_lrus)
         for n in nodes:  # the hot loop of every request: attribute reads inlined
             pages = n.l1[FULL]
             if pages is not None:
@@ -185,8 +218,10 @@ class RadixTree(TierOps, ReadOps):
             l1_swa += swa if swa is not None else [None] * len(n.keys)
             n.last_access = now
             n.hit_count += 1
-            for lru in full_lrus:
-                lru.touch(n)
+            if n.id in keyed1:   # LRUIndex.touch, for the members only
+                lru1.add(n)
+            if n.id in keyed2:
+                lru2.add(n)
         res.full_l1 = full_l1
         self._touch_window(nodes, now)
         res.swa_window = left = min(w, res.num_pages)
@@ -220,7 +255,7 @@ class RadixTree(TierOps, ReadOps):
         toks = list(tokens) if tokens is not None else None
         if len(full) != n or len(swa) != n:
             raise ValueError(f"{n} keys but {len(full)} full pages and {len(swa)} swa entries")
-        if any(p is None for p in full):
+        if None in full:
             raise ValueError("every page needs a full L1 page")
         if toks is not None and len(toks) != n * self.page_size:
             raise ValueError(f"{len(toks)} tokens for {n} pages of {self.page_size}")
@@ -254,9 +289,13 @@ class RadixTree(TierOps, ReadOps):
                 self._set(node, SWA, L1, swa[i:i + r])
             cur, i = node, i + r
         path = cur.path()
+        (lru1, keyed1), (lru2, keyed2) = ((lru, lru._key) for lru in self._full_lrus)
         for node in path:
             node.last_access = now
-            self._touch(node, FULL)
+            if node.id in keyed1:   # LRUIndex.touch, for the members only
+                lru1.add(node)
+            if node.id in keyed2:
+                lru2.add(node)
         self._touch_window(path, now)
         res.node = cur
         return res
@@ -303,14 +342,14 @@ class RadixTree(TierOps, ReadOps):
         mine = full[i:i + k]
         if node.l1[FULL] is None:
             self._set(node, FULL, L1, mine)  # the parent was absorbed just before: L1 closure holds
-        else:
+        elif mine != node.l1[FULL]:   # usually the same pages: the caller borrowed them from the tree
             res.free_full.extend(p for p, q in zip(mine, node.l1[FULL]) if p != q)
         mine = swa[i:i + k]
         if node.l1[SWA] is None:
             if mine[0] is not None:  # uniform by the run cut: un-tombstone / load with the caller's
                 node.swa_access = now  # fresh data, as a new node's
                 self._set(node, SWA, L1, mine)
-        else:
+        elif mine != node.l1[SWA]:
             res.free_swa.extend(p for p, q in zip(mine, node.l1[SWA]) if p is not None and p != q)
         if node.tokens is None and toks is not None:
             node.tokens = toks[i * self.page_size:(i + k) * self.page_size]
@@ -334,11 +373,17 @@ class RadixTree(TierOps, ReadOps):
         """Pin ``node``'s data of ``component`` (see the module doc for the extent of a lock)."""
         self._check_live(node)
         if component == FULL:
-            x = node
-            while x is not self.root:
-                x.lock[FULL] += 1
-                if x.lock[FULL] == 1:
-                    self._refresh(x, FULL)
+            x, root = node, self.root
+            lru1, lru2 = self._full_lrus
+            keyed1, keyed2 = lru1._key, lru2._key
+            while x is not root:
+                lk = x.lock
+                lk[FULL] += 1
+                if lk[FULL] == 1:   # _refresh of a locked node, inlined: it leaves both full lists
+                    if x.id in keyed1:
+                        lru1.discard(x)
+                    if x.id in keyed2:
+                        lru2.discard(x)
                 x = x.parent
         elif component == SWA:
             if node is not self.root and node.lock[FULL] == 0:
@@ -351,7 +396,7 @@ class RadixTree(TierOps, ReadOps):
                 top, x = x, x.parent
             if top is not None:
                 # Remembered where the window starts so a later split of `top` knows which half it covers.
-                top.swa_lock_starts[start] += 1
+                top.swa_lock_starts[start] = top.swa_lock_starts.get(start, 0) + 1
         else:
             raise ValueError(f"unknown component {component!r}")
         self._locks[(component, node)] += 1
@@ -448,8 +493,8 @@ class RadixTree(TierOps, ReadOps):
         # Full locks are path locks: both halves carry them all. A SWA lock reaches the upper half iff
         # its window starts before the cut; those move their start marker up with it.
         up.lock[FULL] = node.lock[FULL]
-        keep = Counter({st: n for st, n in node.swa_lock_starts.items() if st >= s})
-        up.swa_lock_starts = Counter({st: n for st, n in node.swa_lock_starts.items() if st < s})
+        keep = {st: n for st, n in node.swa_lock_starts.items() if st >= s}
+        up.swa_lock_starts = {st: n for st, n in node.swa_lock_starts.items() if st < s}
         up.lock[SWA] = node.lock[SWA] - sum(keep.values())
         node.swa_lock_starts = keep
         old_pages = node.num_pages
