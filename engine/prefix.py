@@ -18,16 +18,26 @@ class PrefixCacheHooks(SchedulerHooks):
         self.clock = clock  # () -> float, the engine's logical time
         self.wall_clock = wall_clock  # () -> seconds, for prefetch deadlines
 
+    def prefetch(self, req: Request) -> None:
+        """Start the L3 prefetch of a queued request's prefix once (the scheduler asks for the first
+        requests of its queue every step), so the pages arrive while it waits behind others."""
+        if self.cache.l3 is None or req.prefetch_checked or req.hit is not None or req.num_computed:
+            return
+        req.prefetch_checked = True
+        req.prefetch = self.cache.prefetch_begin(req.tokens(0, req.seq_len), self._max_pages(req),
+                                                 self.wall_clock())
+
     def ready(self, req: Request) -> bool:
         """A request whose prefix continues in L3 waits while the pages are prefetched into L2, until
         the prefetch policy lets it go (storage/hicache_prefetch.py)."""
         if self.cache.l3 is None or req.hit is not None or req.num_computed:
             return True
-        now = self.wall_clock()
         if req.prefetch is None:
-            req.prefetch = self.cache.prefetch_begin(req.tokens(0, req.seq_len), self._max_pages(req), now)
+            if req.prefetch_checked:
+                return True   # L3 had nothing past L1/L2 for it
+            self.prefetch(req)
             return req.prefetch is None
-        return self.cache.prefetch_ready(req.prefetch, now)
+        return self.cache.prefetch_ready(req.prefetch, self.wall_clock())
 
     def _max_pages(self, req: Request) -> int:
         # At least one token must run through the model to produce the next token's logits; prompt
@@ -76,6 +86,7 @@ class PrefixCacheHooks(SchedulerHooks):
                 self.cache.mark_read(req.hit)
 
     def on_release(self, req: Request) -> None:
+        req.prefetch_checked = False   # preempted: L3 is asked again when it is queued again
         if req.prefetch is not None:
             self.cache.prefetch_release(req.prefetch)
             req.prefetch = None

@@ -19,6 +19,10 @@ from storage.geometry import KVGeometry
 from storage.pools import PageAllocator
 
 
+PREFETCH_LOOKAHEAD = 16
+"""Queued requests (at least) whose slow-tier prefetch may run ahead of their admission."""
+
+
 @dataclass
 class ScheduledSeq:
     """One request's share of a step: tokens at positions [start, start + n)."""
@@ -42,6 +46,9 @@ class ScheduledSeq:
 
 class SchedulerHooks:
     """What the prefix cache plugs into the scheduler; the defaults are "no cache"."""
+
+    def prefetch(self, req: Request) -> None:
+        """A request is queued: start fetching what its prefix needs from slow tiers while it waits."""
 
     def ready(self, req: Request) -> bool:
         """May this waiting request be admitted now? (False: its cached prefix is still arriving.)"""
@@ -132,6 +139,12 @@ class Scheduler:
             out.append(seq)
             scheduled.add(req.rid)
             budget -= n
+        # Prefetches start while requests wait, not when they reach the head: for the queue's first
+        # requests (those admitted soonest; the bound caps the host pages their reads reserve).
+        for k, req in enumerate(self.waiting):
+            if k >= max(self.max_running, PREFETCH_LOOKAHEAD):
+                break
+            self.hooks.prefetch(req)
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[i]
