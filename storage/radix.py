@@ -141,47 +141,14 @@ class RadixTree(TierOps, ReadOps):
         path: list[tuple[Node, int]] = []  # (node, pages of it matched)
         cur, i = self.root, 0
         by_tokens = isinstance(keys, SequenceKeys) and keys.page_size == self.page_size
-        n_keys, ps, root = len(keys), self.page_size, self.root
-        toks = keys.tokens if by_tokens else None
+        n_keys = len(keys)
         while i < n_keys:
-            # The hot loop of every request: _child and SequenceKeys.match_run inlined for the common
-            # case (a few children told apart by their first page; a whole edge equal to the tokens).
-            children = cur.children
-            if by_tokens and cur is not root and len(children) <= _SCAN_CHILDREN:
-                a = i * ps
-                page, child, hashed_only = toks[a:a + ps], None, False
-                for ch in children.values():
-                    t = ch.tokens
-                    if t is None:
-                        hashed_only = True
-                    elif t[:ps] == page:
-                        child = ch
-                        break
-                if child is None:
-                    if not hashed_only:
-                        break
-                    child = children.get(keys[i])
-            elif by_tokens:
-                child = children.get(keys[i])
-            else:
-                child = children.get(keys[i])
+            child, k = self._step(cur, keys, i, by_tokens, n_keys)
             if child is None:
                 break
-            ck, ct = child.keys, child.tokens
-            if by_tokens and ct is not None:
-                nk, a = len(ck), i * ps
-                if i + nk <= n_keys and toks[a:a + nk * ps] == ct:
-                    k = nk
-                    known = len(keys._keys)
-                    if i <= known < i + k:   # the edge's keys are this sequence's: taken, not hashed
-                        keys._keys += ck[known - i:]
-                else:
-                    k = keys.match_run(i, ck, ct)
-            else:
-                k = _common(ck, keys, i)
             path.append((child, k))
             i += k
-            if k < len(ck):
+            if k < child.num_pages:
                 break
             cur = child
         res = MatchResult(node=self.root, matched_pages=i)
@@ -264,13 +231,9 @@ class RadixTree(TierOps, ReadOps):
         res = InsertResult(node=self.root)
         cur, i = self.root, 0
         while i < n:
-            child = self._child(cur, keys, i) if by_tokens else cur.children.get(keys[i])
+            child, cut = self._step(cur, keys, i, by_tokens, n)
             if child is None:
                 break
-            if by_tokens and child.tokens is not None:
-                cut = keys.match_run(i, child.keys, child.tokens)
-            else:
-                cut = _common(child.keys, keys, i)
             if child.l1[SWA] is None:  # adopting SWA pages must cover the whole node: cut at run ends
                 cut = min(cut, _run(swa, i, i + cut))
             if cut < child.num_pages:
@@ -314,26 +277,44 @@ class RadixTree(TierOps, ReadOps):
             node.swa_access = now
             self._touch(node, SWA)
 
-    def _child(self, cur: Node, keys: SequenceKeys, i: int) -> Optional[Node]:
-        """The child of ``cur`` that page ``i`` of ``keys`` continues into. Below the root a few children
-        are told apart by their first page's tokens (under one parent the chain is the same, so equal
-        tokens mean an equal key) and page ``i`` is not hashed; the root's children may come from other
-        seeds or salts, and many children are faster through the dict."""
+    def _step(self, cur: Node, keys, i: int, by_tokens: bool, n_keys: int) -> tuple[Optional[Node], int]:
+        """One step of a walk: the child of ``cur`` page ``i`` of ``keys`` continues into and how many of
+        its pages the keys share (None, 0: none). _child and SequenceKeys.match_run inlined for the
+        common case (a few children told apart by their first page; a whole edge equal to the tokens):
+        it runs for every node of every match and insert."""
         children = cur.children
-        if cur is not self.root and len(children) <= _SCAN_CHILDREN:
-            ps = self.page_size
-            page = keys.tokens[i * ps:(i + 1) * ps]
-            hashed_only = False
-            for ch in children.values():
-                if ch.tokens is None:
-                    hashed_only = True
-                elif ch.tokens[:ps] == page:
-                    if keys.num_known == i:
-                        keys.adopt(ch.keys[0])
-                    return ch
-            if not hashed_only:
-                return None
-        return children.get(keys[i])
+        if by_tokens:
+            ps, toks = self.page_size, keys.tokens
+            if cur is not self.root and len(children) <= _SCAN_CHILDREN:
+                a = i * ps
+                page, child, hashed_only = toks[a:a + ps], None, False
+                for ch in children.values():
+                    t = ch.tokens
+                    if t is None:
+                        hashed_only = True
+                    elif t[:ps] == page:
+                        child = ch
+                        break
+                if child is None:
+                    if not hashed_only:
+                        return None, 0
+                    child = children.get(keys[i])
+            else:
+                child = children.get(keys[i])
+            if child is None:
+                return None, 0
+            ck, ct = child.keys, child.tokens
+            if ct is None:
+                return child, _common(ck, keys, i)
+            nk, a = len(ck), i * ps
+            if i + nk <= n_keys and toks[a:a + nk * ps] == ct:
+                known = len(keys._keys)
+                if i <= known < i + nk:   # the edge's keys are this sequence's: taken, not hashed
+                    keys._keys += ck[known - i:]
+                return child, nk
+            return child, keys.match_run(i, ck, ct)
+        child = children.get(keys[i])
+        return (child, _common(child.keys, keys, i)) if child is not None else (None, 0)
 
     def _absorb(self, node: Node, i: int, full: list, swa: list, toks: Optional[list],
                 res: InsertResult, now: float) -> None:
