@@ -35,6 +35,9 @@ from storage.hashing import DEFAULT_SEED, SequenceKeys
 from storage.hicache_load import LoadBackOps, PrefixHit, Room
 
 
+_NO_TIERS = {"L1": 0, "L2": 0, "L3": 0}   # placeholder until a hit is complete (never mutated)
+
+
 class HiCache(LoadBackOps):
     def __init__(self, pools: KVPools, geom: KVGeometry, cfg: Optional[HiCacheConfig] = None,
                  seed=DEFAULT_SEED, model_id: str = "model") -> None:
@@ -96,7 +99,8 @@ class HiCache(LoadBackOps):
             res = self._match_l12(keys, res, now)
         if res.num_pages == 0:
             return self._count_hit(self._take_prefetch(prefetch, PrefixHit(keys=keys), now))
-        hit = PrefixHit(node=res.node, num_pages=res.num_pages, keys=keys)
+        # Fields given here skip the dataclass's default factories (a hit is built for every request).
+        hit = PrefixHit(res.node, res.num_pages, res.l1_full, res.l1_swa, _NO_TIERS, (), [], keys)
         self._lock(hit)
         from_l2 = res.full_l2
         if from_l2 and (self.host is None or from_l2 < self.cfg.load_back_threshold_pages):
@@ -114,16 +118,18 @@ class HiCache(LoadBackOps):
             hit.deferred = True
             return hit
         m = hit.num_pages
-        hit.full_pages = res.l1_full
         if self.has_swa:
             lo = m - self.tree.window_pages
-            hit.swa_pages = [None] * lo + res.l1_swa[lo:] if lo > 0 else res.l1_swa
+            if lo > 0:
+                hit.swa_pages = [None] * lo + res.l1_swa[lo:]
         else:
             hit.swa_pages = [None] * m
         hit.tokens_by_tier = {"L1": m * self.page_size, "L2": 0, "L3": 0}
         if prefetch is not None:
             hit = self._take_prefetch(prefetch, hit, now)
-        self._count_hit(hit)
+            self._count_hit(hit)
+        else:
+            self.stats["hit_tokens"]["L1"] += m * self.page_size
         if self.cfg is not None and self.cfg.write_policy == "write_through_selective":
             for nd in res.nodes:
                 if nd.hit_count >= self.cfg.write_through_threshold:

@@ -72,6 +72,7 @@ class LoadBackOps:
             return self._give_up(hit)
         hit.waits += [f for f in (self._loading.get(nd.id) for nd in nodes) if f is not None and not f.done]
         lo = hit.num_pages - self.tree.window_pages if self.has_swa else hit.num_pages
+        hit.full_pages, hit.swa_pages = [], []   # from the path as it is now (loads included)
         for nd in nodes:
             hit.full_pages += nd.l1[FULL]
             swa = nd.l1[SWA]

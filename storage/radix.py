@@ -190,16 +190,31 @@ class RadixTree(TierOps, ReadOps):
             if n.id in keyed2:
                 lru2.add(n)
         res.full_l1 = full_l1
-        self._touch_window(nodes, now)
         res.swa_window = left = min(w, res.num_pages)
-        swa_tiers = {t: 0 for t in TIERS}
+        if w != self.window_pages or not w:
+            self._touch_window(nodes, now)
+        # The window's nodes, once: their SWA tiers, and SWA recency (_touch_window, inlined). Both
+        # cover the last min(W, m) pages: the nodes ending after m - W.
+        s1 = s2 = s3 = 0
+        (lru1, keyed1), (lru2, keyed2) = ((self._lru[(SWA, t)], self._lru[(SWA, t)]._key) for t in PAGE_TIERS)
         for n in reversed(nodes):
-            if left == 0:
+            if left <= 0:
                 break
-            take = min(left, n.num_pages)
-            swa_tiers[n.best_tier(SWA)] += take  # never None: the window is inside a SWA run
+            take = min(left, len(n.keys))
+            if n.l1[SWA] is not None:   # never a tombstone: the window is inside a SWA run
+                s1 += take
+            elif n.l2[SWA] is not None:
+                s2 += take
+            else:
+                s3 += take
             left -= take
-        res.swa_l1, res.swa_l2, res.swa_l3 = swa_tiers[L1], swa_tiers[L2], swa_tiers[L3]
+            if w == self.window_pages:
+                n.swa_access = now
+                if n.id in keyed1:
+                    lru1.add(n)
+                if n.id in keyed2:
+                    lru2.add(n)
+        res.swa_l1, res.swa_l2, res.swa_l3 = s1, s2, s3
         return res
 
     def insert(self, keys: Sequence[bytes], full_pages: Sequence[int],
@@ -285,6 +300,18 @@ class RadixTree(TierOps, ReadOps):
         children = cur.children
         if by_tokens:
             ps, toks = self.page_size, keys.tokens
+            if cur is not self.root and len(children) == 1:
+                # One way on (a conversation's next turn): compare the whole edge at once, which covers
+                # its first page; only a mismatch needs the page-by-page rules below.
+                for ch in children.values():
+                    ct, a = ch.tokens, i * ps
+                    if ct is not None:
+                        nk = len(ch.keys)
+                        if i + nk <= n_keys and toks[a:a + nk * ps] == ct:
+                            known = len(keys._keys)
+                            if i <= known < i + nk:
+                                keys._keys += ch.keys[known - i:]
+                            return ch, nk
             if cur is not self.root and len(children) <= _SCAN_CHILDREN:
                 a = i * ps
                 page, child, hashed_only = toks[a:a + ps], None, False
@@ -380,7 +407,8 @@ class RadixTree(TierOps, ReadOps):
                 top.swa_lock_starts[start] = top.swa_lock_starts.get(start, 0) + 1
         else:
             raise ValueError(f"unknown component {component!r}")
-        self._locks[(component, node)] += 1
+        locks = self._locks
+        locks[(component, node)] = locks.get((component, node), 0) + 1
 
     def unlock(self, node: Node, component: str) -> None:
         """Undo one ``lock(node, component)``; raises ValueError if none is held (never negative)."""
