@@ -36,8 +36,6 @@ Rules (checked by ``check_integrity``, see storage/radix_check.py):
 from __future__ import annotations
 
 from collections import Counter
-from itertools import islice, repeat
-from operator import is_not
 from typing import Optional, Sequence
 
 from storage.hashing import DEFAULT_SEED, Seed, SequenceKeys, page_keys
@@ -47,35 +45,10 @@ from storage.radix_node import (COMPONENTS, FULL, L1, L2, L3, PAGE_TIERS, SWA, T
                                 KVEvent, MatchResult, Node)
 from storage.radix_tiers import OnEvict, TierOps
 from storage.radix_view import ReadOps
+from storage.radix_walk import WalkOps, _run
 
 
-def _common(edge: list[bytes], keys: Sequence[bytes], i: int) -> int:
-    """Length of the common prefix of ``edge`` and ``keys[i:]``."""
-    n = min(len(edge), len(keys) - i)
-    if edge[:n] == keys[i:i + n]:  # the common case, one C-level comparison
-        return n
-    k = 0
-    while k < n and edge[k] == keys[i + k]:
-        k += 1
-    return k
-
-
-_SCAN_CHILDREN = 8
-"""Up to this many children, a tree walk finds the next child by its tokens instead of hashing a page."""
-
-
-def _run(swa: list, i: int, limit: int) -> int:
-    """Length of the run starting at ``i`` (before ``limit``) where SWA pages are all given or all None
-    (found at C speed: this runs over every page of every insert)."""
-    try:
-        if swa[i] is None:
-            return list(map(is_not, islice(swa, i, limit), repeat(None))).index(True)
-        return swa.index(None, i, limit) - i
-    except ValueError:
-        return limit - i
-
-
-class RadixTree(TierOps, ReadOps):
+class RadixTree(WalkOps, TierOps, ReadOps):
     """Page-granular radix tree over page keys (storage/hashing.py).
 
     ``window_pages`` (W) is how many pages before a match point must hold SWA data for the match to be
@@ -142,27 +115,28 @@ class RadixTree(TierOps, ReadOps):
         cur, i = self.root, 0
         by_tokens = isinstance(keys, SequenceKeys) and keys.page_size == self.page_size
         n_keys = len(keys)
+        # m may only end right after a SWA-present run that is >= W long or starts at page 0: ``best``
+        # is the last such node of the path, found during the walk.
+        best, run_start = -1, None
         while i < n_keys:
             child, k = self._step(cur, keys, i, by_tokens, n_keys)
             if child is None:
                 break
-            path.append((child, k))
-            i += k
-            if k < child.num_pages:
-                break
-            cur = child
-        res = MatchResult(node=self.root, matched_pages=i)
-        # m may only end right after a SWA-present run that is >= W long or starts at page 0.
-        best, run_start = -1, None
-        for idx, (node, k) in enumerate(path):
-            if node.l1[SWA] is not None or node.l2[SWA] is not None or node.l3[SWA]:
-                run_start = node.depth if run_start is None else run_start
-                if w == 0 or run_start == 0 or node.depth + k - run_start >= w:
-                    best = idx
+            if child.l1[SWA] is not None or child.l2[SWA] is not None or child.l3[SWA]:
+                if run_start is None:
+                    run_start = child.depth
+                if w == 0 or run_start == 0 or i + k - run_start >= w:
+                    best = len(path)
             else:
                 run_start = None
                 if w == 0:
-                    best = idx
+                    best = len(path)
+            path.append((child, k))
+            i += k
+            if k < len(child.keys):
+                break
+            cur = child
+        res = MatchResult(node=self.root, matched_pages=i)
         if best < 0:
             return res
         last, k = path[best]
@@ -292,76 +266,6 @@ class RadixTree(TierOps, ReadOps):
             node.swa_access = now
             self._touch(node, SWA)
 
-    def _step(self, cur: Node, keys, i: int, by_tokens: bool, n_keys: int) -> tuple[Optional[Node], int]:
-        """One step of a walk: the child of ``cur`` page ``i`` of ``keys`` continues into and how many of
-        its pages the keys share (None, 0: none). _child and SequenceKeys.match_run inlined for the
-        common case (a few children told apart by their first page; a whole edge equal to the tokens):
-        it runs for every node of every match and insert."""
-        children = cur.children
-        if by_tokens:
-            ps, toks = self.page_size, keys.tokens
-            if cur is not self.root and len(children) == 1:
-                # One way on (a conversation's next turn): compare the whole edge at once, which covers
-                # its first page; only a mismatch needs the page-by-page rules below.
-                for ch in children.values():
-                    ct, a = ch.tokens, i * ps
-                    if ct is not None:
-                        nk = len(ch.keys)
-                        if i + nk <= n_keys and toks[a:a + nk * ps] == ct:
-                            known = len(keys._keys)
-                            if i <= known < i + nk:
-                                keys._keys += ch.keys[known - i:]
-                            return ch, nk
-            if cur is not self.root and len(children) <= _SCAN_CHILDREN:
-                a = i * ps
-                page, child, hashed_only = toks[a:a + ps], None, False
-                for ch in children.values():
-                    t = ch.tokens
-                    if t is None:
-                        hashed_only = True
-                    elif t[:ps] == page:
-                        child = ch
-                        break
-                if child is None:
-                    if not hashed_only:
-                        return None, 0
-                    child = children.get(keys[i])
-            else:
-                child = children.get(keys[i])
-            if child is None:
-                return None, 0
-            ck, ct = child.keys, child.tokens
-            if ct is None:
-                return child, _common(ck, keys, i)
-            nk, a = len(ck), i * ps
-            if i + nk <= n_keys and toks[a:a + nk * ps] == ct:
-                known = len(keys._keys)
-                if i <= known < i + nk:   # the edge's keys are this sequence's: taken, not hashed
-                    keys._keys += ck[known - i:]
-                return child, nk
-            return child, keys.match_run(i, ck, ct)
-        child = children.get(keys[i])
-        return (child, _common(child.keys, keys, i)) if child is not None else (None, 0)
-
-    def _absorb(self, node: Node, i: int, full: list, swa: list, toks: Optional[list],
-                res: InsertResult, now: float) -> None:
-        """Merge the caller's pages ``[i, i + node.num_pages)`` into an existing node."""
-        k = node.num_pages
-        mine = full[i:i + k]
-        if node.l1[FULL] is None:
-            self._set(node, FULL, L1, mine)  # the parent was absorbed just before: L1 closure holds
-        elif mine != node.l1[FULL]:   # usually the same pages: the caller borrowed them from the tree
-            res.free_full.extend(p for p, q in zip(mine, node.l1[FULL]) if p != q)
-        mine = swa[i:i + k]
-        if node.l1[SWA] is None:
-            if mine[0] is not None:  # uniform by the run cut: un-tombstone / load with the caller's
-                node.swa_access = now  # fresh data, as a new node's
-                self._set(node, SWA, L1, mine)
-        elif mine != node.l1[SWA]:
-            res.free_swa.extend(p for p, q in zip(mine, node.l1[SWA]) if p is not None and p != q)
-        if node.tokens is None and toks is not None:
-            node.tokens = toks[i * self.page_size:(i + k) * self.page_size]
-
     def split(self, node: Node, k: int) -> Node:
         """Cut ``node`` after its first ``k`` pages; returns the new upper node (the original object
         stays the lower part). The tree means the same; for a caller about to move only part of a
@@ -397,10 +301,15 @@ class RadixTree(TierOps, ReadOps):
             if node is not self.root and node.lock[FULL] == 0:
                 raise ValueError(f"lock {FULL} before {SWA}: {node!r}")
             start, x, top = self.swa_window_start(node), node, None
+            lru1, lru2 = self._lru[(SWA, L1)], self._lru[(SWA, L2)]
             while x is not self.root and x.end > start:
-                x.lock[SWA] += 1
-                if x.lock[SWA] == 1:
-                    self._refresh(x, SWA)
+                lk = x.lock
+                lk[SWA] += 1
+                if lk[SWA] == 1:   # _refresh of a locked node, inlined: it leaves both SWA lists
+                    if x.id in lru1._key:
+                        lru1.discard(x)
+                    if x.id in lru2._key:
+                        lru2.discard(x)
                 top, x = x, x.parent
             if top is not None:
                 # Remembered where the window starts so a later split of `top` knows which half it covers.
