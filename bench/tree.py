@@ -232,9 +232,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one repetition, no profile (smoke test)")
     ap.add_argument("--check", action="store_true", help="check_integrity after every request (slow)")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions per path and clock (best is kept)")
     args = ap.parse_args()
     rounds = workload()
-    reps = 1 if args.quick else 5
+    reps = 1 if args.quick else args.reps
     global _clock
     results, profiles, by_cpu = {}, {}, {}
     for kind in (BareTree, ThroughHiCache):

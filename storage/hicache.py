@@ -12,9 +12,10 @@ SWA components only ever hold a sequence's last window (the engine frees the res
 SWA-aware backup moves only that window. ``swa_backup="all"`` is the SWA-oblivious baseline: every full
 page backed up also takes a host SWA page, as a host pool that keeps every layer of every token would
 (where the window has slid past there is no data to put in it, so it is reserved, never served).
-Load-back copies L2 pages into fresh L1 pages before the request that hit them runs. Pages only L3 holds
-come from the prefetcher (storage/hicache_prefetch.py): ``prefetch_begin`` reads them into L2 in the
-background while the request waits, ``prefetch_ready`` applies the prefetch policy, and
+Load-back copies L2 pages into fresh L1 pages when the request that hit them is about to run and L1
+can take them with its first chunk (storage/hicache_load.py); until then the hit waits, locked. Pages
+only L3 holds come from the prefetcher (storage/hicache_prefetch.py): ``prefetch_begin`` reads them into
+L2 in the background while the request waits, ``prefetch_ready`` applies the prefetch policy, and
 ``match(..., prefetch=)`` installs what arrived after the L1/L2 prefix.
 """
 from __future__ import annotations

@@ -67,6 +67,7 @@ class RadixTree(WalkOps, TierOps, ReadOps):
         self._lru = {(c, t): LRUIndex(f"{c}/{t}", "last_access" if c == FULL else "swa_access")
                      for c in COMPONENTS for t in PAGE_TIERS}
         self._full_lrus = tuple(self._lru[(FULL, t)] for t in PAGE_TIERS)
+        self._lrus_of = {c: (self._lru[(c, L1)], self._lru[(c, L2)]) for c in COMPONENTS}
         self._locks: Counter[tuple[str, Node]] = Counter()  # (component, node) -> lock() calls held
         self._events: list[KVEvent] = []
         self._size = {(c, t): 0 for c in COMPONENTS for t in PAGE_TIERS}
@@ -377,23 +378,23 @@ class RadixTree(WalkOps, TierOps, ReadOps):
         children changed."""
         if node is self.root or node.removed:
             return
-        lrus = self._lru
         for c in (component,) if component is not None else COMPONENTS:
             # The membership rule of the module doc ("LRU") for both tiers; runs on every data and lock change.
+            lru1, lru2 = self._lrus_of[c]
             if node.lock[c]:
-                lrus[(c, L1)].discard(node)
-                lrus[(c, L2)].discard(node)
+                lru1.discard(node)
+                lru2.discard(node)
                 continue
             leaf = c == SWA or not node.child_full[L1]
             l1 = node.l1[c] is not None
             if l1 and leaf:
-                lrus[(c, L1)].add(node)
+                lru1.add(node)
             else:
-                lrus[(c, L1)].discard(node)
+                lru1.discard(node)
             if not l1 and node.l2[c] is not None and (leaf and (c == SWA or not node.child_full[L2])):
-                lrus[(c, L2)].add(node)
+                lru2.add(node)
             else:
-                lrus[(c, L2)].discard(node)
+                lru2.discard(node)
 
     def _split(self, node: Node, k: int) -> Node:
         """Cut ``node`` after its first ``k`` pages; returns the new upper node. The original object
