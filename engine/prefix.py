@@ -76,6 +76,11 @@ class PrefixCacheHooks(SchedulerHooks):
         req.cached_by_tier = dict(hit.tokens_by_tier)
         return True
 
+    def drop_hold(self, req: Request) -> None:
+        if req.hit is not None and req.hit.deferred:   # nothing loaded for it yet: nothing wasted
+            self.cache.release(req.hit)
+            req.hit = None
+
     def reclaimable(self, component: str) -> int:
         return self.cache.reclaimable_l1(component)
 

@@ -64,6 +64,9 @@ class SchedulerHooks:
         """L1 pages of ``component`` ``make_room`` could free."""
         return 0
 
+    def drop_hold(self, req: Request) -> None:
+        """Give back the cached prefix a queued request holds while it waits for room (nothing else)."""
+
     def on_release(self, req: Request) -> None:
         """After the scheduler freed a request's own pages (preemption, finish, abort)."""
 
@@ -129,6 +132,8 @@ class Scheduler:
                 continue
             n = min(req.remaining, budget, self.chunk_size)
             seq = self._reserve(req, n)
+            if seq is None and self._release_waiting_holds():
+                seq = self._reserve(req, n)
             while seq is None:
                 victim = self._preempt_newest(exclude=scheduled)
                 if victim is None or victim is req:
@@ -159,9 +164,7 @@ class Scheduler:
                 self.release(req)
                 req.num_computed = 0
                 if not self.running:   # no pages will come back: nobody may sit on cached ones
-                    for r in self.waiting:
-                        if r.hit is not None:
-                            self.release(r)
+                    self._release_waiting_holds()
                 break  # wait for pages to come back; FIFO keeps long prompts from starving
             del self.waiting[i]
             req.status = Status.RUNNING
@@ -189,6 +192,14 @@ class Scheduler:
             need["swa"] = ((e - 1) // ps - first // ps + 1 if first < e else 0) + needs.get("swa", 0)
         allocs = {"full": self.full, "swa": self.swa}
         return all(n <= allocs[c].num_free + self.hooks.reclaimable(c) for c, n in need.items())
+
+    def _release_waiting_holds(self) -> bool:
+        """Give back the cached prefixes queued requests hold while they wait for room (see _fits):
+        they are matched again when their turn comes, rather than cost a running request its place."""
+        held = [r for r in self.waiting if r.hit is not None]
+        for r in held:
+            self.hooks.drop_hold(r)
+        return bool(held)
 
     def _preempt_newest(self, exclude: set[str]) -> Request | None:
         cands = [r for r in self.running if r.rid not in exclude]
