@@ -216,9 +216,9 @@ class HiCache(LoadBackOps):
         n = len(full_pages)
         if n == 0:
             return [], []
-        swa = list(swa_pages) if self.has_swa else [None] * n
+        swa = swa_pages if self.has_swa else None   # the tree copies both lists
         keys = keys.extended(tokens, n) if keys is not None else self.tree.sequence_keys(tokens, n)
-        res = self.tree.insert(keys, list(full_pages), swa, now=now)
+        res = self.tree.insert(keys, full_pages, swa, now=now)
         if self.cfg is not None and self.cfg.write_policy == "write_through":
             for nd in res.node.path():
                 self._backup(nd, now)
