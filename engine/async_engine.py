@@ -227,6 +227,7 @@ class AsyncEngine:
         if cache is not None and cache.host is not None:  # for /metrics: host memory and tier traffic
             out["host_kv_bytes"] = sum(cache.host.bytes_used().values())
             out["kv_moved_bytes"] = dict(cache.stats["bytes"])
+            out["kv_loadback_pages"] = dict(cache.stats["loadback"])   # loaded / used / wasted L2 -> L1
         return out
 
     async def stats(self) -> dict:

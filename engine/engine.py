@@ -325,6 +325,8 @@ class Engine:
             logits = self.runner.run(seqs)
         finally:
             self.scheduler.after_forward()
+        if self.hooks is not None:
+            self.hooks.after_forward([sq.req for sq in seqs])
         self.counters["steps"] += 1
         samplers = [sq for sq in seqs if sq.samples]
         self._prompt_logprobs(logits[len(samplers):])

@@ -18,16 +18,26 @@ class PrefixCacheHooks(SchedulerHooks):
         self.clock = clock  # () -> float, the engine's logical time
         self.wall_clock = wall_clock  # () -> seconds, for prefetch deadlines
 
+    def prefetch(self, req: Request) -> None:
+        """Start the L3 prefetch of a queued request's prefix once (the scheduler asks for the first
+        requests of its queue every step), so the pages arrive while it waits behind others."""
+        if self.cache.l3 is None or req.prefetch_checked or req.hit is not None or req.num_computed:
+            return
+        req.prefetch_checked = True
+        req.prefetch = self.cache.prefetch_begin(req.tokens(0, req.seq_len), self._max_pages(req),
+                                                 self.wall_clock())
+
     def ready(self, req: Request) -> bool:
         """A request whose prefix continues in L3 waits while the pages are prefetched into L2, until
         the prefetch policy lets it go (storage/hicache_prefetch.py)."""
         if self.cache.l3 is None or req.hit is not None or req.num_computed:
             return True
-        now = self.wall_clock()
         if req.prefetch is None:
-            req.prefetch = self.cache.prefetch_begin(req.tokens(0, req.seq_len), self._max_pages(req), now)
+            if req.prefetch_checked:
+                return True   # L3 had nothing past L1/L2 for it
+            self.prefetch(req)
             return req.prefetch is None
-        return self.cache.prefetch_ready(req.prefetch, now)
+        return self.cache.prefetch_ready(req.prefetch, self.wall_clock())
 
     def _max_pages(self, req: Request) -> int:
         # At least one token must run through the model to produce the next token's logits; prompt
@@ -37,15 +47,23 @@ class PrefixCacheHooks(SchedulerHooks):
             n = min(n, max(req.params.logprob_start_len, 1) - 1 + req.num_prompt_logprobs_done())
         return n // self.cache.page_size
 
-    def on_admit(self, req: Request) -> None:
-        if req.hit is not None or req.num_computed:
-            return
-        prefetch, req.prefetch = req.prefetch, None
-        hit = self.cache.match(req.tokens(0, req.seq_len), self._max_pages(req), self.clock(), prefetch=prefetch)
+    def on_admit(self, req: Request, room=None) -> bool:
+        if req.num_computed or (req.hit is not None and not req.hit.deferred):
+            return True
+        if req.hit is not None:   # waited for room to load its L2 pages: ask again
+            hit = self.cache.resume(req.hit, self.clock(), req.prefetch, room)
+        else:
+            hit = self.cache.match(req.tokens(0, req.seq_len), self._max_pages(req), self.clock(),
+                                   prefetch=req.prefetch, room=room)
+        if hit.deferred:
+            req.hit = hit   # locked but not loaded; keeps its prefetch until it completes
+            return False
+        req.prefetch = None
+        req.hit = None
         if hit.num_pages == 0:
             req.cached_tokens = 0
             req.cached_by_tier = dict(hit.tokens_by_tier)
-            return
+            return True
         req.hit = hit
         req.full_pages = list(hit.full_pages)
         req.num_shared_full = hit.num_pages
@@ -56,8 +74,24 @@ class PrefixCacheHooks(SchedulerHooks):
         req.swa_valid_from = present[0] * self.cache.page_size if present else req.num_computed
         req.cached_tokens = req.num_computed
         req.cached_by_tier = dict(hit.tokens_by_tier)
+        return True
+
+    def drop_hold(self, req: Request) -> None:
+        if req.hit is not None and req.hit.deferred:   # nothing loaded for it yet: nothing wasted
+            self.cache.release(req.hit)
+            req.hit = None
+
+    def reclaimable(self, component: str) -> int:
+        return self.cache.reclaimable_l1(component)
+
+    def after_forward(self, reqs) -> None:
+        """A forward ran for ``reqs``: the pages loaded for their hits have been read."""
+        for req in reqs:
+            if req.hit is not None and req.hit.unread:
+                self.cache.mark_read(req.hit)
 
     def on_release(self, req: Request) -> None:
+        req.prefetch_checked = False   # preempted: L3 is asked again when it is queued again
         if req.prefetch is not None:
             self.cache.prefetch_release(req.prefetch)
             req.prefetch = None

@@ -32,6 +32,7 @@ class Request:
     cached_by_tier: dict[str, int] = field(default_factory=lambda: {"L1": 0, "L2": 0, "L3": 0})
     hit: Any = None                       # the prefix cache's PrefixHit while pages are borrowed
     prefetch: Any = None                  # the L3 prefetch of its prefix while it waits for it
+    prefetch_checked: bool = False        # L3 was asked for its prefix (while queued or at admission)
     num_shared_full: int = 0              # leading full pages borrowed from the prefix cache
     shared_swa: set[int] = field(default_factory=set)  # logical SWA pages borrowed from it
     swa_valid_from: int = 0               # SWA KV of earlier positions was never stored

@@ -19,6 +19,10 @@ from storage.geometry import KVGeometry
 from storage.pools import PageAllocator
 
 
+PREFETCH_LOOKAHEAD = 16
+"""Queued requests (at least) whose slow-tier prefetch may run ahead of their admission."""
+
+
 @dataclass
 class ScheduledSeq:
     """One request's share of a step: tokens at positions [start, start + n)."""
@@ -43,12 +47,25 @@ class ScheduledSeq:
 class SchedulerHooks:
     """What the prefix cache plugs into the scheduler; the defaults are "no cache"."""
 
+    def prefetch(self, req: Request) -> None:
+        """A request is queued: start fetching what its prefix needs from slow tiers while it waits."""
+
     def ready(self, req: Request) -> bool:
         """May this waiting request be admitted now? (False: its cached prefix is still arriving.)"""
         return True
 
-    def on_admit(self, req: Request) -> None:
-        """Before a waiting request's first chunk: may borrow cached pages and advance num_computed."""
+    def on_admit(self, req: Request, room=None) -> bool:
+        """Before a waiting request's first chunk: may borrow cached pages and advance num_computed.
+        ``room(num_pages, needs)`` tells whether L1 can take the ``needs`` pages ({component: n}) a hit
+        of ``num_pages`` pages must load as well as its first chunk; False: the request waits."""
+        return True
+
+    def reclaimable(self, component: str) -> int:
+        """L1 pages of ``component`` ``make_room`` could free."""
+        return 0
+
+    def drop_hold(self, req: Request) -> None:
+        """Give back the cached prefix a queued request holds while it waits for room (nothing else)."""
 
     def on_release(self, req: Request) -> None:
         """After the scheduler freed a request's own pages (preemption, finish, abort)."""
@@ -115,6 +132,8 @@ class Scheduler:
                 continue
             n = min(req.remaining, budget, self.chunk_size)
             seq = self._reserve(req, n)
+            if seq is None and self._release_waiting_holds():
+                seq = self._reserve(req, n)
             while seq is None:
                 victim = self._preempt_newest(exclude=scheduled)
                 if victim is None or victim is req:
@@ -125,18 +144,27 @@ class Scheduler:
             out.append(seq)
             scheduled.add(req.rid)
             budget -= n
+        # Prefetches start while requests wait, not when they reach the head: for the queue's first
+        # requests (those admitted soonest; the bound caps the host pages their reads reserve).
+        for k, req in enumerate(self.waiting):
+            if k >= max(self.max_running, PREFETCH_LOOKAHEAD):
+                break
+            self.hooks.prefetch(req)
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[i]
             if not self.hooks.ready(req):   # held back (L3 prefetch): the ones behind it may go
                 i += 1
                 continue
-            self.hooks.on_admit(req)
+            if not self.hooks.on_admit(req, lambda m, needs, r=req, b=budget: self._fits(r, m, needs, b)):
+                break  # its cached prefix waits for room in L1 (see _fits); FIFO as below
             n = min(req.remaining, budget, self.chunk_size)
             seq = self._reserve(req, n)
             if seq is None:
                 self.release(req)
                 req.num_computed = 0
+                if not self.running:   # no pages will come back: nobody may sit on cached ones
+                    self._release_waiting_holds()
                 break  # wait for pages to come back; FIFO keeps long prompts from starving
             del self.waiting[i]
             req.status = Status.RUNNING
@@ -145,6 +173,33 @@ class Scheduler:
             scheduled.add(req.rid)
             budget -= n
         return out
+
+    def _fits(self, req: Request, hit_pages: int, needs: dict[str, int], budget: int) -> bool:
+        """The load rule of a waiting request whose cached prefix (``hit_pages``) must first be loaded
+        into L1 (``needs`` pages per component): load it now only if the pool can take those pages and
+        the request's first chunk at once, from free pages and what the cache would give back. Else it
+        waits: recomputing the prefix would need the same pages (it is the request's own prefix), so it
+        could not run sooner, and pages loaded for a request that cannot run are evicted by those that
+        do. The exception: when nothing runs, no pages will come back, so it loads what it can (giving
+        up the rest of the hit, which it then recomputes)."""
+        if not self.running:
+            return True
+        ps, s = self.ps, hit_pages * self.ps
+        e = s + min(req.seq_len - s, budget, self.chunk_size)
+        need = {"full": -(-e // ps) - hit_pages + needs.get("full", 0)}
+        if self.swa is not None:
+            first = max(s, self._swa_keep_from(e))
+            need["swa"] = ((e - 1) // ps - first // ps + 1 if first < e else 0) + needs.get("swa", 0)
+        allocs = {"full": self.full, "swa": self.swa}
+        return all(n <= allocs[c].num_free + self.hooks.reclaimable(c) for c, n in need.items())
+
+    def _release_waiting_holds(self) -> bool:
+        """Give back the cached prefixes queued requests hold while they wait for room (see _fits):
+        they are matched again when their turn comes, rather than cost a running request its place."""
+        held = [r for r in self.waiting if r.hit is not None]
+        for r in held:
+            self.hooks.drop_hold(r)
+        return bool(held)
 
     def _preempt_newest(self, exclude: set[str]) -> Request | None:
         cands = [r for r in self.running if r.rid not in exclude]

@@ -12,16 +12,16 @@ SWA components only ever hold a sequence's last window (the engine frees the res
 SWA-aware backup moves only that window. ``swa_backup="all"`` is the SWA-oblivious baseline: every full
 page backed up also takes a host SWA page, as a host pool that keeps every layer of every token would
 (where the window has slid past there is no data to put in it, so it is reserved, never served).
-Load-back copies L2 pages into fresh L1 pages before the request that hit them runs. Pages only L3 holds
-come from the prefetcher (storage/hicache_prefetch.py): ``prefetch_begin`` reads them into L2 in the
-background while the request waits, ``prefetch_ready`` applies the prefetch policy, and
+Load-back copies L2 pages into fresh L1 pages when the request that hit them is about to run and L1
+can take them with its first chunk (storage/hicache_load.py); until then the hit waits, locked. Pages
+only L3 holds come from the prefetcher (storage/hicache_prefetch.py): ``prefetch_begin`` reads them into
+L2 in the background while the request waits, ``prefetch_ready`` applies the prefetch policy, and
 ``match(..., prefetch=)`` installs what arrived after the L1/L2 prefix.
 """
 from __future__ import annotations
 
 import atexit
 import weakref
-from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import kernels
@@ -33,24 +33,13 @@ from storage.radix_node import L1, L2, L3
 from storage.copier import Copier, Job, LayerFuture
 from storage.geometry import KVGeometry
 from storage.hashing import DEFAULT_SEED, SequenceKeys
+from storage.hicache_load import LoadBackOps, PrefixHit, Room
 
 
-@dataclass
-class PrefixHit:
-    """A request's cached prefix: ``num_pages`` pages whose L1 pages it borrows (pinned by locks)."""
-
-    node: Optional[Node] = None
-    num_pages: int = 0
-    full_pages: list[int] = field(default_factory=list)          # [num_pages] L1 full pages
-    swa_pages: list[Optional[int]] = field(default_factory=list)  # [num_pages], None outside the window
-    tokens_by_tier: dict[str, int] = field(default_factory=lambda: {"L1": 0, "L2": 0, "L3": 0})
-    locked: tuple[str, ...] = ()
-    waits: list[LayerFuture] = field(default_factory=list)  # loads to wait for, layer by layer
-    # The request's page keys as far as the match needed them: hand them back to ``insert``.
-    keys: Optional[SequenceKeys] = None
+_NO_TIERS = {"L1": 0, "L2": 0, "L3": 0}   # placeholder until a hit is complete (never mutated)
 
 
-class HiCache:
+class HiCache(LoadBackOps):
     def __init__(self, pools: KVPools, geom: KVGeometry, cfg: Optional[HiCacheConfig] = None,
                  seed=DEFAULT_SEED, model_id: str = "model") -> None:
         self.pools = pools
@@ -78,17 +67,27 @@ class HiCache:
             atexit.register(lambda: ref() is not None and ref().close())
         self.stats = {"hit_tokens": {"L1": 0, "L2": 0, "L3": 0}, "lookup_tokens": 0,
                       "bytes": {"L1->L2": 0, "L2->L1": 0}, "pages": {"L1->L2": 0, "L2->L1": 0},
-                      "evicted_pages": {"L1": 0, "L2": 0}, "hits_given_up": 0}
+                      "evicted_pages": {"L1": 0, "L2": 0}, "hits_given_up": 0,
+                      # L2 -> L1 pages of load-back: read by their request's forward, or released unread
+                      "loadback": {"loaded": 0, "used": 0, "wasted": 0, "deferred": 0,
+                                   "loaded_full": 0, "loaded_swa": 0}}
 
     @property
     def components(self) -> tuple[str, ...]:
         return COMPONENTS if self.has_swa else (FULL,)
 
     # ---- lookups ---------------------------------------------------------------------------------
-    def match(self, tokens: Sequence[int], max_pages: int, now: float, prefetch=None) -> PrefixHit:
+    def match(self, tokens: Sequence[int], max_pages: int, now: float, prefetch=None,
+              room: Optional[Room] = None) -> PrefixHit:
         """Longest usable cached prefix of ``tokens`` (at most ``max_pages`` pages), loaded into L1 and
-        locked. A hit that cannot be brought into L1 is given up (the request recomputes it). L3 pages
-        come only from ``prefetch`` (``prefetch_begin``), which this call consumes."""
+        locked. L3 pages come only from ``prefetch`` (``prefetch_begin``), which a completed match consumes.
+
+        ``room(num_pages, needs)``: whether L1 can take the ``needs`` pages ({component: n}) the L2 part of
+        a ``num_pages`` hit must be loaded into, on top of what its request runs next. When it says no,
+        nothing is loaded: the hit comes back ``deferred`` (locked, so it stays put) and ``resume``
+        retries when the scheduler may run the request again; ``prefetch`` is left to the caller. Loading
+        only then means pages are never loaded for a request that cannot run, evicted, and loaded again.
+        Without ``room``, a hit that cannot be brought into L1 is given up (the request recomputes it)."""
         ps = self.page_size
         n = min(max_pages, len(tokens) // ps)
         self.stats["lookup_tokens"] += n * ps
@@ -101,20 +100,37 @@ class HiCache:
             res = self._match_l12(keys, res, now)
         if res.num_pages == 0:
             return self._count_hit(self._take_prefetch(prefetch, PrefixHit(keys=keys), now))
-        hit = PrefixHit(node=res.node, num_pages=res.num_pages, keys=keys)
+        # Fields given here skip the dataclass's default factories (a hit is built for every request).
+        hit = PrefixHit(res.node, res.num_pages, res.l1_full, res.l1_swa, _NO_TIERS, (), [], keys)
         self._lock(hit)
         from_l2 = res.full_l2
         if from_l2 and (self.host is None or from_l2 < self.cfg.load_back_threshold_pages):
             self._drop_prefetch(prefetch)
             return self._give_up(hit)   # short L2 runs are cheaper to recompute
-        if not self._load_back(res.nodes, hit):
-            self._drop_prefetch(prefetch)
-            return self._give_up(hit)
-        hit.waits += [f for f in (self._loading.get(nd.id) for nd in res.nodes) if f is not None and not f.done]
-        self._gather_l1(hit, res.nodes, res.num_pages)
-        hit.tokens_by_tier = {"L1": res.full_l1 * ps, "L2": from_l2 * ps, "L3": 0}
-        hit = self._take_prefetch(prefetch, hit, now)
-        self._count_hit(hit)
+        if from_l2 or res.swa_l2 or self._loading:
+            return self.resume(hit, now, prefetch, room)
+        return self._l1_hit(hit, res, now, prefetch, room)
+
+    def _l1_hit(self, hit: PrefixHit, res, now: float, prefetch, room: Optional[Room]) -> PrefixHit:
+        """``resume`` for the common hit that is all in L1 and not being loaded (nothing to move): its
+        pages straight from the match result."""
+        if room is not None and not room(hit.num_pages, {}):
+            self.stats["loadback"]["deferred"] += 1
+            hit.deferred = True
+            return hit
+        m = hit.num_pages
+        if self.has_swa:
+            lo = m - self.tree.window_pages
+            if lo > 0:
+                hit.swa_pages = [None] * lo + res.l1_swa[lo:]
+        else:
+            hit.swa_pages = [None] * m
+        hit.tokens_by_tier = {"L1": m * self.page_size, "L2": 0, "L3": 0}
+        if prefetch is not None:
+            hit = self._take_prefetch(prefetch, hit, now)
+            self._count_hit(hit)
+        else:
+            self.stats["hit_tokens"]["L1"] += m * self.page_size
         if self.cfg is not None and self.cfg.write_policy == "write_through_selective":
             for nd in res.nodes:
                 if nd.hit_count >= self.cfg.write_through_threshold:
@@ -192,6 +208,9 @@ class HiCache:
 
     def release(self, hit: PrefixHit) -> None:
         """Unpin a hit (the request finished, was aborted or preempted)."""
+        if hit.unread:
+            self.stats["loadback"]["wasted"] += hit.unread
+            hit.unread = 0
         for c in reversed(hit.locked):
             self.tree.unlock(hit.node, c)
         hit.locked = ()
@@ -210,9 +229,9 @@ class HiCache:
         n = len(full_pages)
         if n == 0:
             return [], []
-        swa = list(swa_pages) if self.has_swa else [None] * n
+        swa = swa_pages if self.has_swa else None   # the tree copies both lists
         keys = keys.extended(tokens, n) if keys is not None else self.tree.sequence_keys(tokens, n)
-        res = self.tree.insert(keys, list(full_pages), swa, now=now)
+        res = self.tree.insert(keys, full_pages, swa, now=now)
         if self.cfg is not None and self.cfg.write_policy == "write_through":
             for nd in res.node.path():
                 self._backup(nd, now)
@@ -377,58 +396,6 @@ class HiCache:
         if not alloc.can_alloc(n):
             self.evict_l1(c, n - alloc.num_free)
         return alloc.can_alloc(n)
-
-    def _load_back(self, nodes: list[Node], hit: PrefixHit) -> bool:
-        """Bring the L2-only data the match needs into L1 (full: every node; SWA: the window). The pages
-        are recorded in the tree at once; the copy runs in the background layer by layer and
-        ``hit.waits`` tells the forward when each layer has arrived."""
-        lo = (nodes[-1].end - self.tree.window_pages) if nodes else 0
-        moves: list[tuple[str, list[int], list[int]]] = []   # (component, L2 src, L1 dst)
-        for nd in nodes:  # root first: L1 holds full data only below L1 parents
-            needs = [FULL] if nd.l1[FULL] is None else []
-            if self.has_swa and nd.end > lo and nd.l1[SWA] is None and nd.l2[SWA] is not None:
-                needs.append(SWA)
-            for c in needs:
-                if nd.l2[c] is None or not self._l1_room(c, nd.num_pages):
-                    return False  # pages already moved stay valid L1 copies in the tree
-                host = self.host.pool(c)
-                dst = self.pools.pool(c).allocator.alloc(nd.num_pages)
-                self.tree.set_l1(nd, c, dst)
-                moves.append((c, list(nd.l2[c]), dst))
-                self._count("L2->L1", nd.num_pages, host.page_bytes)
-        if not moves:
-            return True
-        comps = sorted({c for c, _, _ in moves})
-        fut = LayerFuture({c: len(self.pools.pool(c).layer_ids) for c in comps})
-        locks = tuple(hit.locked)
-        for c in locks:  # the copy keeps its own pin: the request may be aborted before it ends
-            self.tree.lock(hit.node, c)
-        node, loaded = hit.node, [nd.id for nd in nodes]
-
-        def run(f: LayerFuture) -> None:
-            n_layers = max(len(self.pools.pool(c).layer_ids) for c in comps)
-            for slot in range(n_layers):
-                for c in comps:
-                    if slot >= len(self.pools.pool(c).layer_ids):
-                        continue
-                    host, l1 = self.host.pool(c), self.pools.pool(c).flat()
-                    for mc, src, dst in moves:
-                        if mc == c:
-                            kernels.l2_to_l1(l1, host.data, host.layout, src, dst, layer=slot, check=False)
-                    f.set_layer(c, slot)
-
-        def done() -> None:
-            for c in reversed(locks):
-                self.tree.unlock(node, c)
-            for i in loaded:
-                if self._loading.get(i) is fut:
-                    del self._loading[i]
-
-        for i in loaded:
-            self._loading[i] = fut
-        self.copier.submit(Job(run, fut, done, tag="load"))
-        hit.waits.append(fut)
-        return True
 
     def _count(self, direction: str, pages: int, page_bytes: int) -> None:
         self.stats["pages"][direction] += pages

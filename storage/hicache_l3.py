@@ -134,8 +134,9 @@ class L3Tier:
             x = x.parent
         swa_host.allocator.free([p for p in h_swa if p not in used_h])
         self.stats["hit_pages"] += m - m0
+        unread, hit.unread = hit.unread, 0   # the L2 loads move to the new hit, not wasted
         cache.release(hit)
-        new = type(hit)(node=res.node, num_pages=m)
+        new = type(hit)(node=res.node, num_pages=m, unread=unread)
         cache._lock(new)
         new.waits = hit.waits
         new.full_pages = [p for nd in res.node.path() for p in nd.l1[FULL]]

@@ -45,33 +45,10 @@ from storage.radix_node import (COMPONENTS, FULL, L1, L2, L3, PAGE_TIERS, SWA, T
                                 KVEvent, MatchResult, Node)
 from storage.radix_tiers import OnEvict, TierOps
 from storage.radix_view import ReadOps
+from storage.radix_walk import WalkOps, _run
 
 
-def _common(edge: list[bytes], keys: Sequence[bytes], i: int) -> int:
-    """Length of the common prefix of ``edge`` and ``keys[i:]``."""
-    n = min(len(edge), len(keys) - i)
-    if edge[:n] == keys[i:i + n]:  # the common case, one C-level comparison
-        return n
-    k = 0
-    while k < n and edge[k] == keys[i + k]:
-        k += 1
-    return k
-
-
-_SCAN_CHILDREN = 8
-"""Up to this many children, a tree walk finds the next child by its tokens instead of hashing a page."""
-
-
-def _run(swa: list, i: int, limit: int) -> int:
-    """Length of the run starting at ``i`` (before ``limit``) where SWA pages are all given or all None."""
-    given = swa[i] is not None
-    j = i + 1
-    while j < limit and (swa[j] is not None) == given:
-        j += 1
-    return j - i
-
-
-class RadixTree(TierOps, ReadOps):
+class RadixTree(WalkOps, TierOps, ReadOps):
     """Page-granular radix tree over page keys (storage/hashing.py).
 
     ``window_pages`` (W) is how many pages before a match point must hold SWA data for the match to be
@@ -90,6 +67,7 @@ class RadixTree(TierOps, ReadOps):
         self._lru = {(c, t): LRUIndex(f"{c}/{t}", "last_access" if c == FULL else "swa_access")
                      for c in COMPONENTS for t in PAGE_TIERS}
         self._full_lrus = tuple(self._lru[(FULL, t)] for t in PAGE_TIERS)
+        self._lrus_of = {c: (self._lru[(c, L1)], self._lru[(c, L2)]) for c in COMPONENTS}
         self._locks: Counter[tuple[str, Node]] = Counter()  # (component, node) -> lock() calls held
         self._events: list[KVEvent] = []
         self._size = {(c, t): 0 for c in COMPONENTS for t in PAGE_TIERS}
@@ -138,31 +116,28 @@ class RadixTree(TierOps, ReadOps):
         cur, i = self.root, 0
         by_tokens = isinstance(keys, SequenceKeys) and keys.page_size == self.page_size
         n_keys = len(keys)
+        # m may only end right after a SWA-present run that is >= W long or starts at page 0: ``best``
+        # is the last such node of the path, found during the walk.
+        best, run_start = -1, None
         while i < n_keys:
-            child = self._child(cur, keys, i) if by_tokens else cur.children.get(keys[i])
+            child, k = self._step(cur, keys, i, by_tokens, n_keys)
             if child is None:
                 break
-            if by_tokens and child.tokens is not None:
-                k = keys.match_run(i, child.keys, child.tokens)
+            if child.l1[SWA] is not None or child.l2[SWA] is not None or child.l3[SWA]:
+                if run_start is None:
+                    run_start = child.depth
+                if w == 0 or run_start == 0 or i + k - run_start >= w:
+                    best = len(path)
             else:
-                k = _common(child.keys, keys, i)
+                run_start = None
+                if w == 0:
+                    best = len(path)
             path.append((child, k))
             i += k
             if k < len(child.keys):
                 break
             cur = child
         res = MatchResult(node=self.root, matched_pages=i)
-        # m may only end right after a SWA-present run that is >= W long or starts at page 0.
-        best, run_start = -1, None
-        for idx, (node, k) in enumerate(path):
-            if node.l1[SWA] is not None or node.l2[SWA] is not None or node.l3[SWA]:
-                run_start = node.depth if run_start is None else run_start
-                if w == 0 or run_start == 0 or node.depth + k - run_start >= w:
-                    best = idx
-            else:
-                run_start = None
-                if w == 0:
-                    best = idx
         if best < 0:
             return res
         last, k = path[best]
@@ -171,7 +146,7 @@ class RadixTree(TierOps, ReadOps):
         nodes = [n for n, _ in path[:best]] + [last]
         res.node, res.nodes, res.num_pages = last, nodes, last.end
         full_l1, l1_full, l1_swa = 0, res.l1_full, res.l1_swa
-        full_lrus = self._full_lrus
+        (lru1, keyed1), (lru2, keyed2) = ((lru, lru._key) for lru in self._full_lrus)
         for n in nodes:  # the hot loop of every request: attribute reads inlined
             pages = n.l1[FULL]
             if pages is not None:
@@ -185,19 +160,36 @@ class RadixTree(TierOps, ReadOps):
             l1_swa += swa if swa is not None else [None] * len(n.keys)
             n.last_access = now
             n.hit_count += 1
-            for lru in full_lrus:
-                lru.touch(n)
+            if n.id in keyed1:   # LRUIndex.touch, for the members only
+                lru1.add(n)
+            if n.id in keyed2:
+                lru2.add(n)
         res.full_l1 = full_l1
-        self._touch_window(nodes, now)
         res.swa_window = left = min(w, res.num_pages)
-        swa_tiers = {t: 0 for t in TIERS}
+        if w != self.window_pages or not w:
+            self._touch_window(nodes, now)
+        # The window's nodes, once: their SWA tiers, and SWA recency (_touch_window, inlined). Both
+        # cover the last min(W, m) pages: the nodes ending after m - W.
+        s1 = s2 = s3 = 0
+        (lru1, keyed1), (lru2, keyed2) = ((self._lru[(SWA, t)], self._lru[(SWA, t)]._key) for t in PAGE_TIERS)
         for n in reversed(nodes):
-            if left == 0:
+            if left <= 0:
                 break
-            take = min(left, n.num_pages)
-            swa_tiers[n.best_tier(SWA)] += take  # never None: the window is inside a SWA run
+            take = min(left, len(n.keys))
+            if n.l1[SWA] is not None:   # never a tombstone: the window is inside a SWA run
+                s1 += take
+            elif n.l2[SWA] is not None:
+                s2 += take
+            else:
+                s3 += take
             left -= take
-        res.swa_l1, res.swa_l2, res.swa_l3 = swa_tiers[L1], swa_tiers[L2], swa_tiers[L3]
+            if w == self.window_pages:
+                n.swa_access = now
+                if n.id in keyed1:
+                    lru1.add(n)
+                if n.id in keyed2:
+                    lru2.add(n)
+        res.swa_l1, res.swa_l2, res.swa_l3 = s1, s2, s3
         return res
 
     def insert(self, keys: Sequence[bytes], full_pages: Sequence[int],
@@ -220,7 +212,7 @@ class RadixTree(TierOps, ReadOps):
         toks = list(tokens) if tokens is not None else None
         if len(full) != n or len(swa) != n:
             raise ValueError(f"{n} keys but {len(full)} full pages and {len(swa)} swa entries")
-        if any(p is None for p in full):
+        if None in full:
             raise ValueError("every page needs a full L1 page")
         if toks is not None and len(toks) != n * self.page_size:
             raise ValueError(f"{len(toks)} tokens for {n} pages of {self.page_size}")
@@ -229,13 +221,9 @@ class RadixTree(TierOps, ReadOps):
         res = InsertResult(node=self.root)
         cur, i = self.root, 0
         while i < n:
-            child = self._child(cur, keys, i) if by_tokens else cur.children.get(keys[i])
+            child, cut = self._step(cur, keys, i, by_tokens, n)
             if child is None:
                 break
-            if by_tokens and child.tokens is not None:
-                cut = keys.match_run(i, child.keys, child.tokens)
-            else:
-                cut = _common(child.keys, keys, i)
             if child.l1[SWA] is None:  # adopting SWA pages must cover the whole node: cut at run ends
                 cut = min(cut, _run(swa, i, i + cut))
             if cut < child.num_pages:
@@ -254,9 +242,13 @@ class RadixTree(TierOps, ReadOps):
                 self._set(node, SWA, L1, swa[i:i + r])
             cur, i = node, i + r
         path = cur.path()
+        (lru1, keyed1), (lru2, keyed2) = ((lru, lru._key) for lru in self._full_lrus)
         for node in path:
             node.last_access = now
-            self._touch(node, FULL)
+            if node.id in keyed1:   # LRUIndex.touch, for the members only
+                lru1.add(node)
+            if node.id in keyed2:
+                lru2.add(node)
         self._touch_window(path, now)
         res.node = cur
         return res
@@ -275,45 +267,14 @@ class RadixTree(TierOps, ReadOps):
             node.swa_access = now
             self._touch(node, SWA)
 
-    def _child(self, cur: Node, keys: SequenceKeys, i: int) -> Optional[Node]:
-        """The child of ``cur`` that page ``i`` of ``keys`` continues into. Below the root a few children
-        are told apart by their first page's tokens (under one parent the chain is the same, so equal
-        tokens mean an equal key) and page ``i`` is not hashed; the root's children may come from other
-        seeds or salts, and many children are faster through the dict."""
-        children = cur.children
-        if cur is not self.root and len(children) <= _SCAN_CHILDREN:
-            ps = self.page_size
-            page = keys.tokens[i * ps:(i + 1) * ps]
-            hashed_only = False
-            for ch in children.values():
-                if ch.tokens is None:
-                    hashed_only = True
-                elif ch.tokens[:ps] == page:
-                    if keys.num_known == i:
-                        keys.adopt(ch.keys[0])
-                    return ch
-            if not hashed_only:
-                return None
-        return children.get(keys[i])
-
-    def _absorb(self, node: Node, i: int, full: list, swa: list, toks: Optional[list],
-                res: InsertResult, now: float) -> None:
-        """Merge the caller's pages ``[i, i + node.num_pages)`` into an existing node."""
-        k = node.num_pages
-        mine = full[i:i + k]
-        if node.l1[FULL] is None:
-            self._set(node, FULL, L1, mine)  # the parent was absorbed just before: L1 closure holds
-        else:
-            res.free_full.extend(p for p, q in zip(mine, node.l1[FULL]) if p != q)
-        mine = swa[i:i + k]
-        if node.l1[SWA] is None:
-            if mine[0] is not None:  # uniform by the run cut: un-tombstone / load with the caller's
-                node.swa_access = now  # fresh data, as a new node's
-                self._set(node, SWA, L1, mine)
-        else:
-            res.free_swa.extend(p for p, q in zip(mine, node.l1[SWA]) if p is not None and p != q)
-        if node.tokens is None and toks is not None:
-            node.tokens = toks[i * self.page_size:(i + k) * self.page_size]
+    def split(self, node: Node, k: int) -> Node:
+        """Cut ``node`` after its first ``k`` pages; returns the new upper node (the original object
+        stays the lower part). The tree means the same; for a caller about to move only part of a
+        node's data (a load of just the SWA pages inside a window)."""
+        self._check_live(node)
+        if node is self.root or not 0 < k < node.num_pages:
+            raise ValueError(f"cannot split {node!r} after {k} pages")
+        return self._split(node, k)
 
     # ------------------------------------------------------------------ locks
 
@@ -325,27 +286,39 @@ class RadixTree(TierOps, ReadOps):
         """Pin ``node``'s data of ``component`` (see the module doc for the extent of a lock)."""
         self._check_live(node)
         if component == FULL:
-            x = node
-            while x is not self.root:
-                x.lock[FULL] += 1
-                if x.lock[FULL] == 1:
-                    self._refresh(x, FULL)
+            x, root = node, self.root
+            lru1, lru2 = self._full_lrus
+            keyed1, keyed2 = lru1._key, lru2._key
+            while x is not root:
+                lk = x.lock
+                lk[FULL] += 1
+                if lk[FULL] == 1:   # _refresh of a locked node, inlined: it leaves both full lists
+                    if x.id in keyed1:
+                        lru1.discard(x)
+                    if x.id in keyed2:
+                        lru2.discard(x)
                 x = x.parent
         elif component == SWA:
             if node is not self.root and node.lock[FULL] == 0:
                 raise ValueError(f"lock {FULL} before {SWA}: {node!r}")
             start, x, top = self.swa_window_start(node), node, None
+            lru1, lru2 = self._lru[(SWA, L1)], self._lru[(SWA, L2)]
             while x is not self.root and x.end > start:
-                x.lock[SWA] += 1
-                if x.lock[SWA] == 1:
-                    self._refresh(x, SWA)
+                lk = x.lock
+                lk[SWA] += 1
+                if lk[SWA] == 1:   # _refresh of a locked node, inlined: it leaves both SWA lists
+                    if x.id in lru1._key:
+                        lru1.discard(x)
+                    if x.id in lru2._key:
+                        lru2.discard(x)
                 top, x = x, x.parent
             if top is not None:
                 # Remembered where the window starts so a later split of `top` knows which half it covers.
-                top.swa_lock_starts[start] += 1
+                top.swa_lock_starts[start] = top.swa_lock_starts.get(start, 0) + 1
         else:
             raise ValueError(f"unknown component {component!r}")
-        self._locks[(component, node)] += 1
+        locks = self._locks
+        locks[(component, node)] = locks.get((component, node), 0) + 1
 
     def unlock(self, node: Node, component: str) -> None:
         """Undo one ``lock(node, component)``; raises ValueError if none is held (never negative)."""
@@ -405,23 +378,23 @@ class RadixTree(TierOps, ReadOps):
         children changed."""
         if node is self.root or node.removed:
             return
-        lrus = self._lru
         for c in (component,) if component is not None else COMPONENTS:
             # The membership rule of the module doc ("LRU") for both tiers; runs on every data and lock change.
+            lru1, lru2 = self._lrus_of[c]
             if node.lock[c]:
-                lrus[(c, L1)].discard(node)
-                lrus[(c, L2)].discard(node)
+                lru1.discard(node)
+                lru2.discard(node)
                 continue
             leaf = c == SWA or not node.child_full[L1]
             l1 = node.l1[c] is not None
             if l1 and leaf:
-                lrus[(c, L1)].add(node)
+                lru1.add(node)
             else:
-                lrus[(c, L1)].discard(node)
+                lru1.discard(node)
             if not l1 and node.l2[c] is not None and (leaf and (c == SWA or not node.child_full[L2])):
-                lrus[(c, L2)].add(node)
+                lru2.add(node)
             else:
-                lrus[(c, L2)].discard(node)
+                lru2.discard(node)
 
     def _split(self, node: Node, k: int) -> Node:
         """Cut ``node`` after its first ``k`` pages; returns the new upper node. The original object
@@ -439,8 +412,8 @@ class RadixTree(TierOps, ReadOps):
         # Full locks are path locks: both halves carry them all. A SWA lock reaches the upper half iff
         # its window starts before the cut; those move their start marker up with it.
         up.lock[FULL] = node.lock[FULL]
-        keep = Counter({st: n for st, n in node.swa_lock_starts.items() if st >= s})
-        up.swa_lock_starts = Counter({st: n for st, n in node.swa_lock_starts.items() if st < s})
+        keep = {st: n for st, n in node.swa_lock_starts.items() if st >= s}
+        up.swa_lock_starts = {st: n for st, n in node.swa_lock_starts.items() if st < s}
         up.lock[SWA] = node.lock[SWA] - sum(keep.values())
         node.swa_lock_starts = keep
         old_pages = node.num_pages

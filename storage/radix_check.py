@@ -139,7 +139,8 @@ def _check_node_locks(tree: TreeView, node: Node, exp: Counter, exp_starts: Coun
             _fail(f"{node!r} {c} lock count {node.lock[c]}, expected {exp[c]} from the lock registry")
     if node.lock[SWA] and not node.lock[FULL]:
         _fail(f"{node!r} is {SWA}-locked but not {FULL}-locked")
-    if +node.swa_lock_starts != exp_starts or len(+node.swa_lock_starts) != len(node.swa_lock_starts):
+    starts = Counter(node.swa_lock_starts)
+    if +starts != exp_starts or len(+starts) != len(starts):
         _fail(f"{node!r} SWA window starts {dict(node.swa_lock_starts)}, expected {dict(exp_starts)}")
     if node.lock[FULL] and node.parent is not tree.root and node.parent.lock[FULL] < node.lock[FULL]:
         _fail(f"{node!r} {FULL}-locked {node.lock[FULL]}x under a parent locked {node.parent.lock[FULL]}x")

@@ -6,9 +6,8 @@ indices are indices into the L1 pools (storage/pools.py) or the L2 host pool of 
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Iterator, NamedTuple, Optional
 
 from storage.pools import COMPONENTS, FULL, SWA
 
@@ -49,7 +48,7 @@ class Node:
         self.l2: dict[str, Optional[list[int]]] = {c: None for c in COMPONENTS}
         self.l3: dict[str, bool] = {c: False for c in COMPONENTS}
         self.lock: dict[str, int] = {c: 0 for c in COMPONENTS}
-        self.swa_lock_starts: Counter[int] = Counter()
+        self.swa_lock_starts: dict[int, int] = {}   # window start page -> SWA locks (> 0)
         self.last_access = now
         # SWA recency apart from full: a match or insert refreshes SWA only inside the window before its
         # end, so the stale windows of earlier turns age while the path's full data stays hot.
@@ -104,11 +103,11 @@ class Node:
                 f"lock={self.lock[FULL]}/{self.lock[SWA]})")
 
 
-@dataclass(frozen=True)
-class KVEvent:
+class KVEvent(NamedTuple):
     """A change of what the tree stores: ``page_keys`` gained (``stored``) or lost (``removed``) data of
     ``component`` in ``tier``. Splits emit nothing (no data changes); per (tier, component) the events
-    of one key alternate stored/removed, starting with stored."""
+    of one key alternate stored/removed, starting with stored. (A NamedTuple: every data change makes
+    one, and a frozen dataclass costs several times more to build.)"""
 
     kind: str  # "stored" | "removed"
     tier: str  # L1 | L2 | L3

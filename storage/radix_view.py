@@ -32,6 +32,22 @@ class ReadOps:
         """Pages currently in the (component, tier) LRU (full: leaves only; more become evictable)."""
         return self._lru[(component, tier)].num_pages
 
+    def locked_pages(self, component: str, tier: str) -> int:
+        """Pages of ``component`` in ``tier`` held by locked nodes (what eviction cannot reach). Walks
+        up from each lock: O(locks x depth), for admission decisions, not per page."""
+        seen: set[int] = set()
+        n = 0
+        for c, node in self._locks:
+            if c != component:
+                continue
+            x = node
+            while x is not self.root and x.lock[c] and x.id not in seen:
+                seen.add(x.id)
+                p = x.pages(c, tier)
+                n += len(p) if p is not None else 0
+                x = x.parent
+        return n
+
     def iter_nodes(self) -> Iterator[Node]:
         """Every node but the root, parents before children."""
         stack = list(self.root.children.values())

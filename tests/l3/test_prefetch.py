@@ -268,3 +268,28 @@ def test_pages_only_l3_still_holds_come_back(tmp_path, ref):
     assert got.cached_tokens_by_tier["L3"] > 0, got.cached_tokens_by_tier
     b.check_integrity()
     _done(b)
+
+
+@pytest.mark.numerics
+def test_prefetch_starts_while_queued_behind_others(written, l3dir, ref):
+    """With the running batch full, the queued request's L3 read starts at once, not when it reaches
+    the head: by the time the other finishes its pages are in L2 and it starts without waiting."""
+    _, prompt, turn2, want = written
+    b = Engine.from_pretrained("strata-tiny", page_size=PS, num_pages=256, enable_prefix_cache=True,
+                               poison_kv=True, max_running_requests=1,
+                               hicache=HiCacheConfig(host_pages=256, l3=L3Config(
+                                   backend="file", path=str(l3dir), prefetch_policy="wait_complete")))
+    other = b.add_request([(7 * i) % 256 for i in range(40)], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    while b.requests[other].status is not Status.RUNNING:
+        b.step()
+    r = b.add_request(turn2, SP)
+    b.step()
+    assert b.requests[r].status is Status.WAITING   # behind the full batch, its read already under way
+    assert b.requests[r].prefetch is not None and b.cache.l3.prefetcher.stats["started"] == 2
+    while b.requests[r].status is not Status.FINISHED:
+        b.step()
+        b.check_integrity()
+    out = b.pop_finished(r)
+    numerics.assert_same_output(out, want, ref.model_config)
+    assert out.cached_tokens_by_tier["L3"] == PS * (len(prompt) // PS)
+    _done(b)

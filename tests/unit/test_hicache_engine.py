@@ -101,7 +101,9 @@ def test_concurrent_conversations_with_preemption_and_eviction_stay_exact():
     once; tokens equal the no-cache engine, integrity holds after every step, nothing leaks."""
     convs = [_conversation_turns(30 + i, 3, 150, 20) for i in range(5)]
     ref_eng = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=400, max_batch_tokens=128)
-    eng = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=64, max_batch_tokens=128,
+    # 48 pages: at 64 queued requests now wait for room instead of pushing running ones out, and
+    # nothing would be preempted.
+    eng = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=48, max_batch_tokens=128,
                                  enable_prefix_cache=True, poison_kv=True, hicache=HiCacheConfig(host_pages=256))
     prompts, outs = [[] for _ in convs], [[] for _ in convs]
     for turn in range(3):
