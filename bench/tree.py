@@ -98,9 +98,7 @@ class BareTree:
     def match(self, tokens: list[int], max_pages: int, now: float):
         # Lazy keys: the pages the tree recognises by their tokens are not hashed; insert reuses them.
         keys = self.tree.sequence_keys(tokens, max_pages)
-        m = self.tree.match_prefix(keys, now=now)
-        self.tree.lock(m.node, FULL)
-        self.tree.lock(m.node, SWA)
+        m = self.tree.match_prefix(keys, now=now, lock=True)   # lock(m.node, FULL) and (.., SWA)
         return (m, keys), m.num_pages, m.l1_full, m.l1_swa
 
     def room(self, c: str, n: int) -> None:

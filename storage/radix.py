@@ -67,6 +67,7 @@ class RadixTree(WalkOps, TierOps, ReadOps):
         self._lru = {(c, t): LRUIndex(f"{c}/{t}", "last_access" if c == FULL else "swa_access")
                      for c in COMPONENTS for t in PAGE_TIERS}
         self._full_lrus = tuple(self._lru[(FULL, t)] for t in PAGE_TIERS)
+        self._swa_lrus = tuple(self._lru[(SWA, t)] for t in PAGE_TIERS)
         self._lrus_of = {c: (self._lru[(c, L1)], self._lru[(c, L2)]) for c in COMPONENTS}
         self._locks: Counter[tuple[str, Node]] = Counter()  # (component, node) -> lock() calls held
         self._events: list[KVEvent] = []
@@ -101,10 +102,13 @@ class RadixTree(WalkOps, TierOps, ReadOps):
 
     # ------------------------------------------------------------------ match / insert
 
-    def match_prefix(self, keys: Sequence[bytes], *, now: float,
-                     window_pages: Optional[int] = None) -> MatchResult:
+    def match_prefix(self, keys: Sequence[bytes], *, now: float, window_pages: Optional[int] = None,
+                     lock: bool = False) -> MatchResult:
         """Longest usable prefix of ``keys`` (see MatchResult); touches the usable path (SWA: only the
-        window before its end, see the module doc).
+        window before its end, see the module doc). ``lock=True`` also takes ``lock(result.node, FULL)``
+        and, when the tree has a window, ``lock(result.node, SWA)``, in the same pass (a request locks
+        what it matched: touching the path's LRU entries only for the lock to take them out again is
+        most of a match's cost).
 
         ``keys`` is a list of page keys or a SequenceKeys (``sequence_keys``), which hashes only what the
         tree does not recognise by its tokens. ``window_pages`` overrides the tree's W for this query
@@ -138,7 +142,13 @@ class RadixTree(WalkOps, TierOps, ReadOps):
                 break
             cur = child
         res = MatchResult(node=self.root, matched_pages=i)
-        if best < 0:
+        if best < 0 or (lock and w != self.window_pages):
+            if best >= 0:
+                res = self.match_prefix(keys, now=now, window_pages=window_pages)
+            if lock:
+                self.lock(res.node, FULL)
+                if self.window_pages:
+                    self.lock(res.node, SWA)
             return res
         last, k = path[best]
         if k < last.num_pages:
@@ -146,7 +156,8 @@ class RadixTree(WalkOps, TierOps, ReadOps):
         nodes = [n for n, _ in path[:best]] + [last]
         res.node, res.nodes, res.num_pages = last, nodes, last.end
         full_l1, l1_full, l1_swa = 0, res.l1_full, res.l1_swa
-        (lru1, keyed1), (lru2, keyed2) = ((lru, lru._key) for lru in self._full_lrus)
+        lru1, lru2 = self._full_lrus
+        keyed1, keyed2 = lru1._key, lru2._key
         for n in nodes:  # the hot loop of every request: attribute reads inlined
             pages = n.l1[FULL]
             if pages is not None:
@@ -160,10 +171,19 @@ class RadixTree(WalkOps, TierOps, ReadOps):
             l1_swa += swa if swa is not None else [None] * len(n.keys)
             n.last_access = now
             n.hit_count += 1
-            if n.id in keyed1:   # LRUIndex.touch, for the members only
-                lru1.add(n)
-            if n.id in keyed2:
-                lru2.add(n)
+            if lock:   # lock(last, FULL) inlined: a locked node leaves both full lists
+                lk = n.lock
+                lk[FULL] += 1
+                if lk[FULL] == 1:
+                    if n.id in keyed1:
+                        lru1.discard(n)
+                    if n.id in keyed2:
+                        lru2.discard(n)
+            else:
+                if n.id in keyed1:   # LRUIndex.touch, for the members only
+                    lru1.add(n)
+                if n.id in keyed2:
+                    lru2.add(n)
         res.full_l1 = full_l1
         res.swa_window = left = min(w, res.num_pages)
         if w != self.window_pages or not w:
@@ -171,7 +191,8 @@ class RadixTree(WalkOps, TierOps, ReadOps):
         # The window's nodes, once: their SWA tiers, and SWA recency (_touch_window, inlined). Both
         # cover the last min(W, m) pages: the nodes ending after m - W.
         s1 = s2 = s3 = 0
-        (lru1, keyed1), (lru2, keyed2) = ((self._lru[(SWA, t)], self._lru[(SWA, t)]._key) for t in PAGE_TIERS)
+        lru1, lru2 = self._swa_lrus
+        keyed1, keyed2 = lru1._key, lru2._key
         for n in reversed(nodes):
             if left <= 0:
                 break
@@ -185,11 +206,28 @@ class RadixTree(WalkOps, TierOps, ReadOps):
             left -= take
             if w == self.window_pages:
                 n.swa_access = now
-                if n.id in keyed1:
-                    lru1.add(n)
-                if n.id in keyed2:
-                    lru2.add(n)
+                if lock:   # lock(last, SWA) inlined: the window's nodes are the ones it covers
+                    lk = n.lock
+                    lk[SWA] += 1
+                    if lk[SWA] == 1:
+                        if n.id in keyed1:
+                            lru1.discard(n)
+                        if n.id in keyed2:
+                            lru2.discard(n)
+                    top = n
+                else:
+                    if n.id in keyed1:
+                        lru1.add(n)
+                    if n.id in keyed2:
+                        lru2.add(n)
         res.swa_l1, res.swa_l2, res.swa_l3 = s1, s2, s3
+        if lock:
+            locks = self._locks
+            locks[(FULL, last)] = locks.get((FULL, last), 0) + 1
+            if w:
+                start = max(0, last.end - w)
+                top.swa_lock_starts[start] = top.swa_lock_starts.get(start, 0) + 1
+                locks[(SWA, last)] = locks.get((SWA, last), 0) + 1
         return res
 
     def insert(self, keys: Sequence[bytes], full_pages: Sequence[int],

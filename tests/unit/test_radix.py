@@ -498,16 +498,17 @@ class TreeMachine(RuleBasedStateMachine):
         return nodes[i % len(nodes)] if nodes else None
 
     # -- rules
-    @rule(tokens=token_seqs, lazy=st.booleans())
-    def start(self, tokens, lazy=False):
+    @rule(tokens=token_seqs, lazy=st.booleans(), fused=st.booleans())
+    def start(self, tokens, lazy=False, fused=False):
         t = self.tree
         keys = t.sequence_keys(tokens) if lazy else t.page_keys(tokens)
-        m = self.checked_match(keys)
+        m = self.checked_match(keys, lock=fused)   # fused: match_prefix takes both locks itself
         assert m.num_pages <= m.matched_pages <= len(keys)
         assert m.full_l1 + m.full_l2 + m.full_l3 == m.num_pages == len(m.l1_swa)
         assert m.swa_l1 + m.swa_l2 + m.swa_l3 == m.swa_window == min(W, m.num_pages)
-        t.lock(m.node, FULL)
-        t.lock(m.node, SWA)
+        if not fused:
+            t.lock(m.node, FULL)
+            t.lock(m.node, SWA)
         n, own = len(keys), {key: [] for key in POOL}
         full = self.alloc_pages(FULL, L1, n - m.full_l1)
         window = range(max(0, n - W), n)
@@ -589,13 +590,13 @@ class TreeMachine(RuleBasedStateMachine):
         for key, pages in r.own.items():
             self.alloc[key].free(pages)
 
-    def checked_match(self, keys, window=None):
+    def checked_match(self, keys, window=None, lock=False):
         w = W if window is None else window
         lazy = isinstance(keys, SequenceKeys)
         # The oracle hashes on its own copy: the lazy keys must come out of the match itself.
         hashed = self.tree.page_keys(keys.tokens)[:len(keys)] if lazy else keys
         want_m, want_tiers = reference_match(self.tree, hashed, w)
-        m = self.tree.match_prefix(keys, now=self.tick(), window_pages=window)
+        m = self.tree.match_prefix(keys, now=self.tick(), window_pages=window, lock=lock)
         assert m.num_pages == want_m and m.node.end == want_m
         if lazy:  # keys taken from the tree's edges are the ones hashing gives
             assert keys[:keys.num_known] == hashed[:keys.num_known] and list(keys) == hashed
@@ -603,10 +604,12 @@ class TreeMachine(RuleBasedStateMachine):
         assert m.l1_full == [p for n in m.nodes if n.l1[FULL] is not None for p in n.l1[FULL]]
         return m
 
-    @rule(tokens=token_seqs, window=st.sampled_from([None, 0, 1, 3]), lazy=st.booleans())
-    def match_only(self, tokens, window, lazy):
+    @rule(tokens=token_seqs, window=st.sampled_from([None, 0, 1, 3]), lazy=st.booleans(), lock=st.booleans())
+    def match_only(self, tokens, window, lazy, lock):
         t = self.tree
-        self.checked_match(t.sequence_keys(tokens) if lazy else t.page_keys(tokens), window)
+        m = self.checked_match(t.sequence_keys(tokens) if lazy else t.page_keys(tokens), window, lock)
+        if lock:   # held outside any request (the tree's own W, whatever the query's)
+            self.extra_locks += [(m.node, FULL), (m.node, SWA)]
 
     @rule(c=st.sampled_from(COMPONENTS), tier=st.sampled_from([L1, L2]), n=st.integers(1, 12),
           write_back=st.booleans())
