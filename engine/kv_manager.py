@@ -11,7 +11,9 @@ Operations, in a request's life:
 * ``release`` -- give back everything (finish, abort, preemption).
 
 The scheduler only decides (who runs, who is preempted); the window-in-pages rules come from
-``KVGeometry``. Shared pages belong to the cache's tree; owned ones to the request.
+``KVGeometry``. Shared pages belong to the cache's tree; owned ones to the request. The only other
+takers of L1 pages are the tree's own load-back (storage/hicache) and the P/D lease table
+(storage/transfer/base.py), whose pages become a request's through ``import_leased``.
 """
 from __future__ import annotations
 
