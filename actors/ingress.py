@@ -210,6 +210,9 @@ class RayBackend:
                 out[f"strata_host_kv_bytes|{lab}"] = load["host_kv_bytes"]
                 for d, n in load.get("kv_moved_bytes", {}).items():
                     out[f'strata_kv_moved_bytes|{lab[:-1]},direction="{d}"}}'] = n
+                lb = load.get("kv_loadback_pages", {})   # L2 -> L1 pages: loaded, read, released unread, waited
+                for kind in ("loaded", "used", "wasted", "deferred"):
+                    out[f'strata_kv_loadback_pages|{lab[:-1]},kind="{kind}"}}'] = lb.get(kind, 0)
         out.update(await self._eplb_gauges())
         await self._sync_workers()
         res = await asyncio.gather(*(asyncio.wait_for(h.transfer_stats.remote(), 2) for h in self.workers.values()),

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kv_manager import KVManager
 from engine.request import Request, Status
 from storage.geometry import KVGeometry
 from storage.pools import KVPools
@@ -37,19 +38,20 @@ def export_kv(req: Request, pools: KVPools, geom: KVGeometry) -> KVPayload:
     """Copy a request's prompt KV out of the pools (call before its pages are released)."""
     ps, window = geom.page_size, geom.window
     n = req.num_computed
-    full_idx = torch.tensor(req.full_pages[:-(-n // ps)], dtype=torch.long, device=pools.full.kv.device)
+    t = req.pages
+    full_idx = torch.tensor(t.full[:-(-n // ps)], dtype=torch.long, device=pools.full.kv.device)
     full = pools.full.flat().index_select(1, full_idx).cpu() if pools.full.layer_ids else torch.empty(0)
     first = geom.swa_needed_first_page(n)
     aligned = geom.swa_aligned_first_page(n)
-    if window and all(a < len(req.swa_pages) and req.swa_pages[a] is not None for a in range(aligned, first)) \
-            and aligned * ps >= req.swa_valid_from:
+    if window and all(a < len(t.swa) and t.swa[a] is not None for a in range(aligned, first)) \
+            and aligned * ps >= t.swa_valid_from:
         first = aligned
     swa_logical = list(range(first, -(-n // ps))) if window else []
-    if swa_logical and any(a >= len(req.swa_pages) or req.swa_pages[a] is None for a in swa_logical):
+    if swa_logical and any(a >= len(t.swa) or t.swa[a] is None for a in swa_logical):
         raise RuntimeError(f"{req.rid}: SWA pages of the last window are missing")
-    swa_idx = torch.tensor([req.swa_pages[a] for a in swa_logical], dtype=torch.long, device=pools.swa.kv.device)
+    swa_idx = torch.tensor([t.swa[a] for a in swa_logical], dtype=torch.long, device=pools.swa.kv.device)
     swa = pools.swa.flat().index_select(1, swa_idx).cpu() if swa_logical else torch.empty(0)
-    return KVPayload(n, req.output_ids[0], ps, full, swa, first, max(req.swa_valid_from, first * ps))
+    return KVPayload(n, req.output_ids[0], ps, full, swa, first, max(t.swa_valid_from, first * ps))
 
 
 def check_payload(p: KVPayload, pools: KVPools, geom: KVGeometry) -> None:
@@ -72,38 +74,32 @@ def check_payload(p: KVPayload, pools: KVPools, geom: KVGeometry) -> None:
         raise ValueError(f"kv payload: dtype {p.full.dtype} != {pools.full.kv.dtype}")
 
 
-def import_kv(req: Request, p: KVPayload, pools: KVPools, geom: KVGeometry, make_room) -> None:
-    """Allocate the request's pages, copy the payload in and mark the prompt computed. Raises
-    MemoryError (nothing allocated) when the pools cannot take it even after ``make_room``."""
-    n_full = geom.pages(p.prompt_len)
+def import_kv(req: Request, p: KVPayload, pools: KVPools, geom: KVGeometry, kv: KVManager) -> None:
+    """Take the request's pages from ``kv``, copy the payload in and mark the prompt computed. Raises
+    MemoryError (nothing allocated) when the pools cannot take it even after evicting cached pages."""
     n_swa = p.swa.shape[1] if geom.window else 0
-    for comp, need in (("full", n_full), ("swa", n_swa)):
-        alloc = pools.pool(comp).allocator
-        if need and not alloc.can_alloc(need):
-            make_room(comp, need - alloc.num_free)
-    if not pools.full.allocator.can_alloc(n_full) or (n_swa and not pools.swa.allocator.can_alloc(n_swa)):
-        raise MemoryError(f"decode: no room for {n_full} full + {n_swa} SWA pages")
-    full_pages = pools.full.allocator.alloc(n_full)
-    swa_pages = pools.swa.allocator.alloc(n_swa) if n_swa else []
+    full_pages, swa_pages = kv.import_pages(req, geom.pages(p.prompt_len), p.swa_first_page, n_swa,
+                                            p.swa_valid_from)
     dev = pools.full.kv.device
-    if pools.full.layer_ids:
-        pools.full.flat()[:, torch.tensor(full_pages, device=dev)] = p.full.to(dev)
-    if n_swa:
-        pools.swa.flat()[:, torch.tensor(swa_pages, device=dev)] = p.swa.to(dev)
-    req.full_pages = full_pages
-    req.swa_pages = [None] * p.swa_first_page + swa_pages
+    try:
+        if pools.full.layer_ids:
+            pools.full.flat()[:, torch.tensor(full_pages, device=dev)] = p.full.to(dev)
+        if n_swa:
+            pools.swa.flat()[:, torch.tensor(swa_pages, device=dev)] = p.swa.to(dev)
+    except BaseException:
+        kv.release(req)
+        raise
     req.num_computed = p.prompt_len
-    req.swa_valid_from = p.swa_valid_from
     req.output_ids = [p.first_token]
     req.status = Status.RUNNING
 
 
-def admit_leased(req: Request, pages: dict, reserved_first: int, info, pools: KVPools,
-                 geom: KVGeometry) -> None:
+def admit_leased(req: Request, pages: dict, reserved_first: int, info, kv: KVManager) -> None:
     """Make a request of pages a transfer filled in place (storage/transfer): ``pages`` are a committed
     lease's {"full": [n_full], "swa": pages of logical [reserved_first, n_full)}; ``info`` the sender's
     receipt (storage/transfer.Receipt). The payload's window may start after ``reserved_first``: those leading pages are freed.
     Raises ValueError (pages untouched, still the caller's) when the receipt does not fit them."""
+    geom = kv.geom
     window = geom.window
     n = info.prompt_len
     n_full = geom.pages(n)
@@ -119,11 +115,7 @@ def admit_leased(req: Request, pages: dict, reserved_first: int, info, pools: KV
                              f"({len(swa)} pages from {reserved_first})")
         if info.swa_valid_from > geom.swa_lo(n):
             raise ValueError(f"kv transfer: swa data starts at {info.swa_valid_from}, after the window")
-        if off:
-            pools.swa.allocator.free(swa[:off])
-    req.full_pages = list(pages["full"])
-    req.swa_pages = [None] * first + swa[off:] if window else []
+    kv.import_leased(req, pages, reserved_first, first, info.swa_valid_from)
     req.num_computed = n
-    req.swa_valid_from = info.swa_valid_from
     req.output_ids = [info.first_token]
     req.status = Status.RUNNING

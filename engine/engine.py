@@ -22,10 +22,11 @@ from engine.sampler import sample, token_logprobs
 from engine.sampling import SamplingParams, TokenLogprob, make_generator
 from engine.stopping import catch_up_first_token, row_state, stop_reason
 from engine.scheduler import Scheduler
+from engine.kv_manager import KVManager
 from engine.disagg import KVPayload, admit_leased, check_payload, export_kv, import_kv
 from engine.prefix import PrefixCacheHooks
 from storage.hicache import HiCache
-from storage.pools import KVPools
+from storage.pools import COMPONENTS, KVPools
 from storage.geometry import KVGeometry
 from storage.transfer.base import Lease, LeaseTable
 
@@ -101,7 +102,7 @@ class Engine:
         self.pools = KVPools(cfg.pool, mc.layer_types, mc.num_key_value_heads, mc.head_dim,
                              cfg.torch_dtype, self.device, poison=cfg.poison_kv)
         self.geometry = KVGeometry.from_layers(mc.layer_types, mc.sliding_window, cfg.page_size)
-        window = self.window = self.geometry.window
+        self.window = self.geometry.window
         need = self.geometry.swa_pages_bound
         if self.pools.swa.num_pages < need:
             raise ValueError(f"swa_full_ratio: the SWA pool ({self.pools.swa.num_pages} pages) cannot hold one "
@@ -111,11 +112,12 @@ class Engine:
         self.hooks: PrefixCacheHooks | None = None
         if cfg.enable_prefix_cache:
             self.cache = HiCache(self.pools, self.geometry, cfg.hicache, model_id=self.model_id())
-            self.hooks = PrefixCacheHooks(self.cache, self.pools, lambda: self._now)
-        self.scheduler = Scheduler(self.geometry, self.pools.full.allocator,
-                                   self.pools.swa.allocator if window is not None else None,
-                                   cfg.max_batch_tokens, cfg.max_running_requests, cfg.effective_chunk_size,
-                                   hooks=self.hooks, swa_page_aligned=self.cache is not None)
+        # The one owner of every request's L1 pages (the scheduler only decides).
+        self.kv = KVManager(self.geometry, self.pools, self.cache, lambda: self._now)
+        if self.cache is not None:
+            self.hooks = PrefixCacheHooks(self.cache, self.kv, lambda: self._now)
+        self.scheduler = Scheduler(self.kv, cfg.max_batch_tokens, cfg.max_running_requests,
+                                   cfg.effective_chunk_size, hooks=self.hooks)
         self.runner = ModelRunner(self.model, self.pools, self.device)
         self.requests: dict[str, Request] = {}
         # Pages reserved for KV transfers still in flight (decode side of storage/transfer).
@@ -181,8 +183,7 @@ class Engine:
         check_payload(payload, self.pools, self.geometry)
         if len(self.scheduler.running) >= self.cfg.max_running_requests:
             raise MemoryError("decode: running batch is full")
-        make_room = self.hooks.make_room if self.hooks is not None else (lambda c, n: None)
-        import_kv(req, payload, self.pools, self.geometry, make_room)
+        import_kv(req, payload, self.pools, self.geometry, self.kv)
         catch_up_first_token(req, self.model_config.vocab_size)
         self.requests[req.rid] = req
         self.scheduler.running.append(req)
@@ -203,9 +204,8 @@ class Engine:
             raise MemoryError("decode: running batch is full")
         need = {"full": n_full, "swa": n_swa}
         for comp, n in need.items():
-            alloc = self.pools.pool(comp).allocator
-            if n and not alloc.can_alloc(n) and self.hooks is not None:
-                self.hooks.make_room(comp, n - alloc.num_free)
+            if n:
+                self.kv.ensure(comp, n)   # evicts cached pages if need be; the lease table allocates
         return self.leases.reserve(lease_id, need, now, ttl,
                                    {**(meta or {}), "prompt_len": prompt_len, "swa_first_page": first})
 
@@ -229,11 +229,13 @@ class Engine:
         try:
             if fill is not None:
                 fill(self.pools, lease)
-            admit_leased(req, lease.pages, lease.meta["swa_first_page"], info, self.pools, self.geometry)
+            admit_leased(req, lease.pages, lease.meta["swa_first_page"], info, self.kv)
             catch_up_first_token(req, self.model_config.vocab_size)
         except BaseException:
-            self.pools.full.allocator.free(lease.pages["full"])
-            self.pools.swa.allocator.free(lease.pages["swa"])
+            if self.kv.holds(req):
+                self.kv.release(req)
+            else:
+                self.kv.give_back({"full": lease.pages["full"], "swa": lease.pages["swa"]})
             raise
         self.requests[req.rid] = req
         self.scheduler.running.append(req)
@@ -302,8 +304,8 @@ class Engine:
         return True
 
     def _finish(self, req: Request, reason: str) -> None:
-        if self.hooks is not None and req.status is Status.RUNNING:
-            self.hooks.cache_finished(req)
+        if req.status is Status.RUNNING:
+            self.kv.commit(req, finished=True)
         self.scheduler.remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
@@ -353,8 +355,8 @@ class Engine:
                 reason = reason or "prefill"
             if reason is not None:
                 self._finish(req, reason)
-            elif self.hooks is not None and len(req.output_ids) == 1:
-                self.hooks.cache_prompt(req)   # the prompt is whole: cache it before decode slides past
+            elif len(req.output_ids) == 1:
+                self.kv.commit(req)   # the prompt is whole: cache it before decode slides past
             outs.append(self._step_output(req, [tok], [lps[i]] if lps[i] is not None else [], reason))
         return outs
 
@@ -454,12 +456,11 @@ class Engine:
     def check_integrity(self) -> None:
         self.leases.check_integrity(full_check=False)
         leased = self.leases.owners()
-        if self.cache is None:
-            self.scheduler.check_integrity(leased)
-            return
-        self.cache.check_integrity()
-        tree = self.cache.owners()
-        self.scheduler.check_integrity({c: {"tree": pages, **leased.get(c, {})} for c, pages in tree.items()})
+        tree: dict = {}
+        if self.cache is not None:
+            self.cache.check_integrity()
+            tree = {c: {"tree": pages} for c, pages in self.cache.owners().items()}
+        self.scheduler.check_integrity({c: {**tree.get(c, {}), **leased.get(c, {})} for c in COMPONENTS})
 
     def close(self) -> None:
         """Finish background copies and release the L3 store (idempotent)."""

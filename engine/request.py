@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from engine.kv_manager import PageTable
 from engine.sampling import SamplingParams
 
 
@@ -26,16 +27,12 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_computed: int = 0                 # tokens whose KV is in the pools
-    full_pages: list[int] = field(default_factory=list)            # by logical page
-    swa_pages: list[int | None] = field(default_factory=list)      # None: slid out of the window
+    pages: PageTable = field(default_factory=PageTable)   # its L1 pages; written by engine/kv_manager.py only
     cached_tokens: int = 0
     cached_by_tier: dict[str, int] = field(default_factory=lambda: {"L1": 0, "L2": 0, "L3": 0})
     hit: Any = None                       # the prefix cache's PrefixHit while pages are borrowed
     prefetch: Any = None                  # the L3 prefetch of its prefix while it waits for it
     prefetch_checked: bool = False        # L3 was asked for its prefix (while queued or at admission)
-    num_shared_full: int = 0              # leading full pages borrowed from the prefix cache
-    shared_swa: set[int] = field(default_factory=set)  # logical SWA pages borrowed from it
-    swa_valid_from: int = 0               # SWA KV of earlier positions was never stored
     num_preemptions: int = 0
     logits: list[torch.Tensor] = field(default_factory=list)
     prefill_only: bool = False            # stop after the first token and export the prompt KV
@@ -84,9 +81,3 @@ class Request:
     @property
     def is_decoding(self) -> bool:
         return self.remaining == 1 and bool(self.output_ids)
-
-    def owned_full_pages(self) -> list[int]:
-        return self.full_pages[self.num_shared_full:]
-
-    def owned_swa_pages(self) -> list[int]:
-        return [p for a, p in enumerate(self.swa_pages) if p is not None and a not in self.shared_swa]

@@ -40,7 +40,7 @@ class ModelRunner:
             ids += r.tokens(sq.start, sq.end)
             positions = range(sq.start, sq.end)
             pos += positions
-            fpages += [r.full_pages[p // ps] for p in positions]
+            fpages += [sq.full_pages[p // ps] for p in positions]
             foffs += [p % ps for p in positions]
             for p, page, off in sq.swa_write:
                 swa_idx.append(t + p - sq.start)

@@ -5,18 +5,17 @@ requests, then new requests from the waiting queue (FIFO), all under ``max_batch
 allocated on demand; when a running request cannot get a page, the newest running request is
 preempted (its pages freed, to be recomputed later), as in vLLM's recompute policy.
 
-Sliding-window layers keep only what later steps can still attend to: after a step that ends at
-position ``e`` only positions ``>= e - W + 1`` are stored, and SWA pages wholly below that are freed
-in the same step, so a request holds at most ``ceil((W - 1) / page_size) + 1`` SWA pages.
+The scheduler only decides: every page a request takes or gives back goes through the KVManager
+(engine/kv_manager.py), which also slides the SWA window (a request holds at most
+``KVGeometry.swa_pages_bound`` SWA pages).
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
 
+from engine.kv_manager import KVManager
 from engine.request import Request, Status
-from storage.geometry import KVGeometry
-from storage.pools import PageAllocator
 
 
 PREFETCH_LOOKAHEAD = 16
@@ -60,29 +59,18 @@ class SchedulerHooks:
         of ``num_pages`` pages must load as well as its first chunk; False: the request waits."""
         return True
 
-    def reclaimable(self, component: str) -> int:
-        """L1 pages of ``component`` ``make_room`` could free."""
-        return 0
-
     def drop_hold(self, req: Request) -> None:
         """Give back the cached prefix a queued request holds while it waits for room (nothing else)."""
 
     def on_release(self, req: Request) -> None:
-        """After the scheduler freed a request's own pages (preemption, finish, abort)."""
-
-    def make_room(self, component: str, n_pages: int) -> None:
-        """Free up to ``n_pages`` L1 pages of ``component`` held by the cache."""
+        """After the KVManager gave back a request's pages and hit (preemption, finish, abort)."""
 
 
 class Scheduler:
-    def __init__(self, geom: KVGeometry, full: PageAllocator, swa: PageAllocator | None,
-                 max_batch_tokens: int, max_running: int, chunk_size: int,
-                 hooks: SchedulerHooks | None = None, swa_page_aligned: bool = False) -> None:
-        self.geom = geom
-        self.ps = geom.page_size
-        self.full = full
-        self.swa = swa if geom.has_swa else None
-        self.window = geom.window
+    def __init__(self, kv: KVManager, max_batch_tokens: int, max_running: int, chunk_size: int,
+                 hooks: SchedulerHooks | None = None) -> None:
+        self.kv = kv
+        self.geom = kv.geom
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.chunk_size = chunk_size
@@ -90,10 +78,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.hooks = hooks or SchedulerHooks()
-        # SWA pages that left the window this step: still read by this step's forward, so they go back
-        # to the allocator only after it (anyone else could overwrite them before the read).
-        self._retired: list[int] = []
-        self.swa_page_aligned = swa_page_aligned
 
     # ---- queue -----------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -111,13 +95,9 @@ class Scheduler:
         self.release(req)
 
     def release(self, req: Request) -> None:
-        """Free the pages the request owns; borrowed ones go back through the hooks."""
-        self.full.free(req.owned_full_pages())
-        if self.swa is not None:
-            self.swa.free(req.owned_swa_pages())
-        req.full_pages, req.swa_pages = [], []
+        """Give back the request's pages (its own to the pools, borrowed ones to the cache)."""
+        self.kv.release(req)
         self.hooks.on_release(req)
-        req.num_shared_full, req.shared_swa = 0, set()
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledSeq]:
@@ -184,14 +164,10 @@ class Scheduler:
         up the rest of the hit, which it then recomputes)."""
         if not self.running:
             return True
-        ps, s = self.ps, hit_pages * self.ps
+        s = hit_pages * self.geom.page_size
         e = s + min(req.seq_len - s, budget, self.chunk_size)
-        need = {"full": -(-e // ps) - hit_pages + needs.get("full", 0)}
-        if self.swa is not None:
-            first = max(s, self._swa_keep_from(e))
-            need["swa"] = ((e - 1) // ps - first // ps + 1 if first < e else 0) + needs.get("swa", 0)
-        allocs = {"full": self.full, "swa": self.swa}
-        return all(n <= allocs[c].num_free + self.hooks.reclaimable(c) for c, n in need.items())
+        need = self.kv.need(s, e)
+        return all(n + needs.get(c, 0) <= self.kv.available(c) for c, n in need.items())
 
     def _release_waiting_holds(self) -> bool:
         """Give back the cached prefixes queued requests hold while they wait for room (see _fits):
@@ -216,87 +192,17 @@ class Scheduler:
         return victim
 
     def _reserve(self, req: Request, n: int) -> ScheduledSeq | None:
-        """Allocate what positions [num_computed, num_computed + n) need, or nothing at all."""
-        ps, s = self.ps, req.num_computed
-        e = s + n
-        need_full = -(-e // ps) - len(req.full_pages)
-        if not self.full.can_alloc(need_full):
-            self.hooks.make_room("full", need_full - self.full.num_free)
-            if not self.full.can_alloc(need_full):
-                return None
-        retire: list[int] = []
-        new_logical: list[int] = []
-        swa_lo = s
-        if self.swa is not None:
-            swa_lo = self.geom.swa_lo(s)
-            keep_from = self._swa_keep_from(e)
-            first_write = max(s, keep_from)
-            if first_write < e:
-                for a in range(first_write // ps, (e - 1) // ps + 1):
-                    if a >= len(req.swa_pages) or req.swa_pages[a] is None:
-                        new_logical.append(a)
-            retire = [a for a, p in enumerate(req.swa_pages) if p is not None and (a + 1) * ps <= keep_from]
-            need = max(0, len(new_logical) - sum(a not in req.shared_swa for a in retire))
-            if not self.swa.can_alloc(need):
-                self.hooks.make_room("swa", need - self.swa.num_free)
-                if not self.swa.can_alloc(need):
-                    return None
-        # Commit: nothing below can fail.
-        req.full_pages += self.full.alloc(max(0, need_full))
-        swa_read: list[int] = []
-        swa_write: list[tuple[int, int, int]] = []
-        if self.swa is not None:
-            swa_read = [req.swa_pages[a] for a in range(swa_lo // ps, -(-s // ps))] if s > swa_lo else []
-            # Pages leaving the window are reused for this request's new positions at once (each layer
-            # reads its window before it writes); the rest return to the allocator after the forward.
-            owned_retired = [req.swa_pages[a] for a in retire if a not in req.shared_swa]
-            for a in retire:
-                req.swa_pages[a] = None
-                req.shared_swa.discard(a)
-            reuse = owned_retired[:len(new_logical)]
-            self._retired += owned_retired[len(new_logical):]
-            fresh = reuse + self.swa.alloc(len(new_logical) - len(reuse))
-            for a, p in zip(new_logical, fresh):
-                if a >= len(req.swa_pages):
-                    req.swa_pages += [None] * (a + 1 - len(req.swa_pages))
-                req.swa_pages[a] = p
-            first_write = max(s, keep_from)
-            if first_write > s:  # positions [s, first_write) never reach the SWA pool
-                req.swa_valid_from = max(req.swa_valid_from, first_write)
-            swa_write = [(pos, req.swa_pages[pos // ps], pos % ps) for pos in range(first_write, e)]
-        return ScheduledSeq(req, s, n, req.full_pages[:-(-e // ps)], swa_lo, swa_read, swa_write)
+        """Pages for positions [num_computed, num_computed + n), or nothing at all (None)."""
+        ext = self.kv.extend(req, n)
+        return None if ext is None else ScheduledSeq(req, req.num_computed, n, *ext)
 
     def after_forward(self) -> None:
-        """Return the SWA pages retired this step (their last reader, the forward, is done)."""
-        if self._retired:
-            self.swa.free(self._retired)
-            self._retired = []
-
-    def _swa_keep_from(self, e: int) -> int:
-        """First position later steps still need after ``e``. Page-aligned retention (prefix cache on)
-        keeps whole pages: the window before the last page boundary *before position e - 1*, so the
-        cache can reuse the sequence there, and every page it holds is written from its first position.
-        That boundary, not the last one at or before e: a repeat of a prompt ending on a page boundary
-        can only match up to the page before (its last token is always computed), and the window
-        ending there needs the one page more. Still ``window_pages + 1`` pages at most."""
-        if self.swa_page_aligned:
-            return max(0, ((e - 1) // self.ps - self.geom.window_pages) * self.ps)
-        return self.geom.swa_lo(e)
+        self.kv.after_forward()
 
     def check_integrity(self, extra_owners: dict[str, dict[str, list[int]]] | None = None) -> None:
-        extra_owners = extra_owners or {}
-        owners_full = {r.rid: r.owned_full_pages() for r in self.running}
-        self.full.check_integrity({**owners_full, **extra_owners.get("full", {})})
-        if self.swa is not None:
-            owners_swa = {r.rid: r.owned_swa_pages() for r in self.running}
-            owners_swa["retired this step"] = self._retired
-            self.swa.check_integrity({**owners_swa, **extra_owners.get("swa", {})})
-            bound = self.geom.swa_pages_bound
-            for r in self.running:
-                if len(r.owned_swa_pages()) > bound:
-                    raise AssertionError(f"{r.rid} holds {len(r.owned_swa_pages())} SWA pages > bound {bound}")
-                if r.hit is None and (r.num_shared_full or r.shared_swa):
-                    raise AssertionError(f"{r.rid} borrows pages without a cache hit")
-        for r in self.waiting:
-            if r.full_pages or r.owned_swa_pages():
-                raise AssertionError(f"waiting request {r.rid} holds pages")
+        """The KVManager's page invariants, and: only running requests hold pages."""
+        self.kv.check_integrity(extra_owners)
+        running = {r.rid for r in self.running}
+        for rid in self.kv.holders:
+            if rid not in running:
+                raise AssertionError(f"{rid} holds pages but is not running")

@@ -136,6 +136,12 @@ def test_health_models_metrics(cluster):
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "strata-tiny"
     m = httpx.get(f"{url}/metrics").text
     assert "strata_requests_total" in m and "strata_ttft_seconds_bucket" in m and "strata_kv_pages_free" in m
+    # Every worker (this cluster has L2) exports its load-back page counters, one series per kind.
+    lb = [line for line in m.splitlines() if line.startswith("strata_kv_loadback_pages{")]
+    workers = {line.split('worker="')[1].split('"')[0] for line in lb}
+    assert len(workers) == 3 and "# TYPE strata_kv_loadback_pages gauge" in m, lb
+    for kind in ("loaded", "used", "wasted", "deferred"):
+        assert sum(f'kind="{kind}"' in line for line in lb) == len(workers), lb
 
 
 def test_killing_the_decode_worker_mid_stream_gives_a_clean_error_and_it_comes_back(cluster):

@@ -1,0 +1,303 @@
+"""The one owner of every request's L1 pages: each request's page table (full pages + its SWA window)
+is written here only, and every L1 page a request takes or gives back passes through here.
+
+Operations, in a request's life:
+* ``borrow``  -- take a prefix hit's pages from the cache (already locked by the match) as shared pages;
+* ``extend``  -- allocate what the next positions need (``slide`` first frees the SWA pages leaving the
+  window, reusing them for the new positions where it can);
+* ``import_pages`` / ``import_leased`` -- pages arriving by a P/D transfer;
+* ``commit``  -- hand the request's whole pages to the prefix cache (a prompt just prefilled, or the
+  finished sequence), keeping them as borrowed pages or giving up the rest;
+* ``release`` -- give back everything (finish, abort, preemption).
+
+The scheduler only decides (who runs, who is preempted); the window-in-pages rules come from
+``KVGeometry``. Shared pages belong to the cache's tree; owned ones to the request. The only other
+takers of L1 pages are the tree's own load-back (storage/hicache) and the P/D lease table
+(storage/transfer/base.py), whose pages become a request's through ``import_leased``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple, Optional
+
+from storage.geometry import KVGeometry
+from storage.pools import COMPONENTS, FULL, SWA, KVPools, PageAllocator
+
+if TYPE_CHECKING:   # engine/request.py imports PageTable from here
+    from engine.request import Request
+    from storage.hicache import HiCache
+
+
+@dataclass
+class PageTable:
+    """One request's L1 pages, by logical page (page ``a`` covers positions [a * ps, (a + 1) * ps))."""
+
+    full: list[int] = field(default_factory=list)
+    swa: list[Optional[int]] = field(default_factory=list)   # None: slid out of the window / never stored
+    num_shared_full: int = 0               # leading full pages borrowed from the prefix cache
+    shared_swa: set[int] = field(default_factory=set)        # logical SWA pages borrowed from it
+    swa_valid_from: int = 0                # SWA KV of earlier positions was never stored
+
+    def owned_full(self) -> list[int]:
+        return self.full[self.num_shared_full:]
+
+    def owned_swa(self) -> list[int]:
+        return [p for a, p in enumerate(self.swa) if p is not None and a not in self.shared_swa]
+
+
+class Extent(NamedTuple):
+    """What ``extend`` reserved for positions [start, end) of one request."""
+
+    full_pages: list[int]                  # pages covering [0, end)
+    swa_lo: int                            # first position read from the SWA pool
+    swa_read_pages: list[int]              # pages covering [swa_lo, start), snapshot before recycling
+    swa_write: list[tuple[int, int, int]]  # (position, page, offset) stored in the SWA pool
+
+
+class KVManager:
+    def __init__(self, geom: KVGeometry, pools: KVPools, cache: "HiCache | None" = None,
+                 clock: Callable[[], float] = lambda: 0.0) -> None:
+        self.geom = geom
+        self.ps = geom.page_size
+        self.pools = pools
+        self.cache = cache
+        self.clock = clock   # the engine's logical time, for the cache's LRU
+        self.full: PageAllocator = pools.full.allocator
+        self.swa: PageAllocator | None = pools.swa.allocator if geom.has_swa else None
+        # With a prefix cache the SWA window is kept in whole pages, so the cache can reuse it.
+        self.page_aligned = cache is not None
+        # SWA pages that left the window this step: still read by this step's forward, so they go back
+        # to the allocator only after it (anyone else could overwrite them before the read).
+        self._retired: list[int] = []
+        self.holders: dict[str, "Request"] = {}   # requests whose table may hold pages, by rid
+
+    # ---- room --------------------------------------------------------------------------------------
+    def allocator(self, comp: str) -> PageAllocator:
+        return self.pools.pool(comp).allocator
+
+    def reclaimable(self, comp: str) -> int:
+        """L1 pages of ``comp`` the cache would give back if asked."""
+        return self.cache.reclaimable_l1(comp) if self.cache is not None else 0
+
+    def available(self, comp: str) -> int:
+        return self.allocator(comp).num_free + self.reclaimable(comp)
+
+    def ensure(self, comp: str, n: int) -> bool:
+        """Can ``n`` pages of ``comp`` be allocated, after asking the cache to evict if need be?"""
+        alloc = self.allocator(comp)
+        if not alloc.can_alloc(n) and self.cache is not None:
+            self.cache.evict_l1(comp, n - alloc.num_free)
+        return alloc.can_alloc(n)
+
+    def keep_from(self, e: int) -> int:
+        """First position later steps still need after ``e``. Page-aligned retention (prefix cache on)
+        keeps whole pages: the window before the last page boundary *before position e - 1*, so the
+        cache can reuse the sequence there, and every page it holds is written from its first position.
+        That boundary, not the last one at or before e: a repeat of a prompt ending on a page boundary
+        can only match up to the page before (its last token is always computed), and the window
+        ending there needs the one page more. Still ``window_pages + 1`` pages at most."""
+        if self.page_aligned:
+            return max(0, ((e - 1) // self.ps - self.geom.window_pages) * self.ps)
+        return self.geom.swa_lo(e)
+
+    def need(self, start: int, end: int) -> dict[str, int]:
+        """Pages a request whose table holds whole pages [0, start) (a prefix hit) needs to run [start, end)."""
+        ps = self.ps
+        out = {FULL: self.geom.pages(end) - start // ps}
+        if self.swa is not None:
+            first = max(start, self.keep_from(end))
+            out[SWA] = (end - 1) // ps - first // ps + 1 if first < end else 0
+        return out
+
+    # ---- a request's life --------------------------------------------------------------------------
+    def borrow(self, req: "Request", hit) -> None:
+        """Take a prefix hit's (locked) pages as the request's shared leading pages."""
+        t = req.pages
+        t.full = list(hit.full_pages)
+        t.num_shared_full = hit.num_pages
+        t.swa = list(hit.swa_pages)
+        t.shared_swa = {a for a, p in enumerate(hit.swa_pages) if p is not None}
+        present = sorted(t.shared_swa)
+        t.swa_valid_from = present[0] * self.ps if present else hit.num_pages * self.ps
+        req.hit = hit
+        self.holders[req.rid] = req
+
+    def extend(self, req: "Request", n: int) -> Extent | None:
+        """Allocate what positions [num_computed, num_computed + n) need, or nothing at all (None)."""
+        t, ps, s = req.pages, self.ps, req.num_computed
+        e = s + n
+        need_full = self.geom.pages(e) - len(t.full)
+        if not self.ensure(FULL, need_full):
+            return None
+        leaving: list[int] = []
+        new_logical: list[int] = []
+        swa_lo = keep_from = s
+        if self.swa is not None:
+            swa_lo = self.geom.swa_lo(s)
+            keep_from = self.keep_from(e)
+            first_write = max(s, keep_from)
+            if first_write < e:
+                new_logical = [a for a in range(first_write // ps, (e - 1) // ps + 1)
+                               if a >= len(t.swa) or t.swa[a] is None]
+            leaving = [a for a, p in enumerate(t.swa) if p is not None and (a + 1) * ps <= keep_from]
+            need = max(0, len(new_logical) - sum(a not in t.shared_swa for a in leaving))
+            if not self.ensure(SWA, need):
+                return None
+        # Commit: nothing below can fail.
+        t.full += self.full.alloc(max(0, need_full))
+        self.holders[req.rid] = req
+        if self.swa is None:
+            return Extent(t.full[:self.geom.pages(e)], swa_lo, [], [])
+        swa_read = [t.swa[a] for a in range(swa_lo // ps, -(-s // ps))] if s > swa_lo else []
+        # Pages leaving the window are reused for this request's new positions at once (each layer
+        # reads its window before it writes); the rest return to the allocator after the forward.
+        owned_left = self.slide(req, leaving)
+        reuse = owned_left[:len(new_logical)]
+        self._retired += owned_left[len(new_logical):]
+        fresh = reuse + self.swa.alloc(len(new_logical) - len(reuse))
+        for a, p in zip(new_logical, fresh):
+            if a >= len(t.swa):
+                t.swa += [None] * (a + 1 - len(t.swa))
+            t.swa[a] = p
+        first_write = max(s, keep_from)
+        if first_write > s:  # positions [s, first_write) never reach the SWA pool
+            t.swa_valid_from = max(t.swa_valid_from, first_write)
+        swa_write = [(pos, t.swa[pos // ps], pos % ps) for pos in range(first_write, e)]
+        return Extent(t.full[:self.geom.pages(e)], swa_lo, swa_read, swa_write)
+
+    def slide(self, req: "Request", leaving: Iterable[int]) -> list[int]:
+        """Drop the logical SWA pages ``leaving`` (out of the window) from the table; -> the pages among
+        them the request owned, in order (borrowed ones stay the tree's). The caller reuses or retires them."""
+        t = req.pages
+        owned = [t.swa[a] for a in leaving if a not in t.shared_swa]
+        for a in leaving:
+            t.swa[a] = None
+            t.shared_swa.discard(a)
+        return owned
+
+    def after_forward(self) -> None:
+        """Return the SWA pages retired this step (their last reader, the forward, is done)."""
+        if self._retired:
+            self.swa.free(self._retired)
+            self._retired = []
+
+    def import_pages(self, req: "Request", n_full: int, swa_first: int, n_swa: int,
+                     swa_valid_from: int) -> tuple[list[int], list[int]]:
+        """Allocate a transferred prompt's pages (full: ``n_full`` from page 0; SWA: ``n_swa`` from logical
+        page ``swa_first``) as the request's table; -> (full, swa) pages for the caller to fill. Raises
+        MemoryError (nothing allocated) when the pools cannot take them even after evicting cached pages."""
+        for comp, n in ((FULL, n_full), (SWA, n_swa)):
+            if n:
+                self.ensure(comp, n)
+        if not self.full.can_alloc(n_full) or (n_swa and not self.allocator(SWA).can_alloc(n_swa)):
+            raise MemoryError(f"decode: no room for {n_full} full + {n_swa} SWA pages")
+        full = self.full.alloc(n_full)
+        swa = self.allocator(SWA).alloc(n_swa) if n_swa else []
+        self._adopt(req, full, [None] * swa_first + swa, swa_valid_from)
+        return full, swa
+
+    def import_leased(self, req: "Request", pages: dict, reserved_first: int, swa_first: int,
+                      swa_valid_from: int) -> None:
+        """Make a committed lease's pages ({"full": [...], "swa": logical [reserved_first, ...)}) the
+        request's table; the SWA pages before ``swa_first`` (the payload's window began later) are freed."""
+        swa = list(pages.get(SWA, []))
+        off = swa_first - reserved_first
+        if self.geom.has_swa and off:
+            self.allocator(SWA).free(swa[:off])
+        self._adopt(req, list(pages[FULL]), [None] * swa_first + swa[off:] if self.geom.has_swa else [],
+                    swa_valid_from)
+
+    def give_back(self, pages: dict) -> None:
+        """Free pages nobody's table holds yet ({component: pages}, e.g. a lease whose admission failed)."""
+        for comp, ps in pages.items():
+            self.allocator(comp).free(ps)
+
+    def commit(self, req: "Request", finished: bool = False) -> None:
+        """Insert the request's whole computed pages into the prefix cache (no-op without one).
+
+        ``finished=False`` (a prompt just prefilled, the request decodes on): the pages become borrowed
+        ones, locked while it runs. Decode would otherwise slide the SWA window past the prompt's end
+        before finish, so a repeat of it would find no usable window.
+        ``finished=True``: the tree takes the pages, the rest the request owns is freed; its borrowed
+        prefix stays locked until ``release``."""
+        if self.cache is None:
+            return
+        t, ps = req.pages, self.ps
+        n = req.num_computed // ps
+        if not finished and n <= t.num_shared_full:
+            return  # the cache already holds every whole page (the prompt ends inside its hit's last)
+        # Only pages written from their first position are whole SWA data the cache can serve.
+        swa = [p if a * ps >= t.swa_valid_from else None for a, p in enumerate((t.swa + [None] * n)[:n])]
+        keys = req.hit.keys if req.hit is not None else None
+        if finished:
+            dup_full, dup_swa = self.cache.insert(req.tokens(0, n * ps), t.full[:n], swa, self.clock(), keys)
+            dup_full = dup_full + t.full[max(n, t.num_shared_full):]
+            dup_swa = dup_swa + [p for a, p in enumerate(t.swa)
+                        if p is not None and a not in t.shared_swa and (a >= n or swa[a] is None)]
+            t.full, t.swa, t.num_shared_full, t.shared_swa, t.swa_valid_from = [], [], 0, set(), 0
+        else:
+            hit, dup_full, dup_swa = self.cache.insert_and_hold(req.tokens(0, n * ps), t.full[:n], swa,
+                                                                self.clock(), keys)
+            t.full[:n] = hit.full_pages
+            t.num_shared_full = n
+            for a, p in enumerate(swa):
+                if p is not None:  # the tree's now (kept or a duplicate); below the window it is never read
+                    t.swa[a] = None
+                    t.shared_swa.discard(a)
+            for a, q in enumerate(hit.swa_pages):
+                if q is not None:
+                    t.swa[a] = q
+                    t.shared_swa.add(a)
+        self.full.free(dup_full)
+        self.allocator(SWA).free(dup_swa)
+        if not finished:
+            if req.hit is not None:
+                self.cache.release(req.hit)
+            req.hit = hit
+
+    def release(self, req: "Request") -> None:
+        """Give back everything the request holds: its own pages to the pools, its hit to the cache.
+        ``swa_valid_from`` survives (a recompute after preemption keeps the stricter bound, as before)."""
+        t = req.pages
+        self.full.free(t.owned_full())
+        if self.swa is not None:
+            self.swa.free(t.owned_swa())
+        t.full, t.swa, t.num_shared_full, t.shared_swa = [], [], 0, set()
+        self.holders.pop(req.rid, None)
+        if req.hit is not None and self.cache is not None:
+            self.cache.release(req.hit)
+            req.hit = None
+
+    def _adopt(self, req: "Request", full: list[int], swa: list[Optional[int]], swa_valid_from: int) -> None:
+        t = req.pages
+        t.full, t.swa, t.num_shared_full, t.shared_swa = full, swa, 0, set()
+        t.swa_valid_from = swa_valid_from
+        self.holders[req.rid] = req
+
+    # ---- invariants --------------------------------------------------------------------------------
+    def holds(self, req: "Request") -> bool:
+        return req.rid in self.holders
+
+    def owners(self) -> dict[str, dict[str, list[int]]]:
+        """{component: {owner: pages}} of the pages requests own (and the SWA pages retired this step)."""
+        out = {FULL: {rid: r.pages.owned_full() for rid, r in self.holders.items()},
+               SWA: {rid: r.pages.owned_swa() for rid, r in self.holders.items()}}
+        out[SWA]["retired this step"] = list(self._retired)
+        return out
+
+    def check_integrity(self, extra_owners: dict[str, dict[str, list[int]]] | None = None) -> None:
+        """Every L1 page is free or owned by exactly one of: a request, the retired list, or one of
+        ``extra_owners`` ({component: {owner: pages}}: the cache's tree, P/D leases); requests keep at most
+        ``swa_pages_bound`` SWA pages and borrow only under a hit."""
+        extra_owners = extra_owners or {}
+        mine = self.owners()
+        self.pools.check_integrity({c: {**mine[c], **extra_owners.get(c, {})} for c in COMPONENTS})
+        bound = self.geom.swa_pages_bound
+        for rid, r in self.holders.items():
+            t = r.pages
+            if self.swa is not None and len(t.owned_swa()) > bound:
+                raise AssertionError(f"{rid} holds {len(t.owned_swa())} SWA pages > bound {bound}")
+            if r.hit is None and (t.num_shared_full or t.shared_swa):
+                raise AssertionError(f"{rid} borrows pages without a cache hit")
+            if t.num_shared_full > len(t.full) or any(a >= len(t.swa) or t.swa[a] is None for a in t.shared_swa):
+                raise AssertionError(f"{rid}: shared pages outside its table")
