@@ -43,7 +43,7 @@ run: sysdeps $(STAMP)
 NUMERICS_CAPS ?= avx2 default
 
 test: sysdeps $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=30 $(PYTEST_ARGS)
 	@for cap in $(NUMERICS_CAPS); do \
 		echo "== numerics tests under ATEN_CPU_CAPABILITY=$$cap"; \
 		ATEN_CPU_CAPABILITY=$$cap $(BIN)/python -m pytest -q -m numerics \

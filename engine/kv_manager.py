@@ -90,14 +90,10 @@ class KVManager:
         return alloc.can_alloc(n)
 
     def keep_from(self, e: int) -> int:
-        """First position later steps still need after ``e``. Page-aligned retention (prefix cache on)
-        keeps whole pages: the window before the last page boundary *before position e - 1*, so the
-        cache can reuse the sequence there, and every page it holds is written from its first position.
-        That boundary, not the last one at or before e: a repeat of a prompt ending on a page boundary
-        can only match up to the page before (its last token is always computed), and the window
-        ending there needs the one page more. Still ``window_pages + 1`` pages at most."""
+        """First position later steps still need after ``e``: whole pages (KVGeometry.swa_retained_from)
+        when the prefix cache may reuse the window, else the window itself."""
         if self.page_aligned:
-            return max(0, ((e - 1) // self.ps - self.geom.window_pages) * self.ps)
+            return self.geom.swa_retained_from(e)
         return self.geom.swa_lo(e)
 
     def need(self, start: int, end: int) -> dict[str, int]:

@@ -70,6 +70,16 @@ class KVGeometry:
             return 0
         return max(0, prompt_len // self.page_size - self.window_pages)
 
+    def swa_retained_from(self, end: int) -> int:
+        """First position page-aligned SWA retention (prefix cache on) keeps once positions [0, end) are
+        written: the whole-page window before the last page boundary *before position end - 1*. That
+        boundary, not the last one at or before ``end``: a repeat of a prompt ending on a page boundary
+        matches only up to the page before (its last token is always computed), and the window ending
+        there needs one page more. At most ``window_pages + 1`` pages; 0 without a window."""
+        if not self.window:
+            return 0
+        return max(0, ((end - 1) // self.page_size - self.window_pages) * self.page_size)
+
     def plan_pages(self, prompt_len: int) -> tuple[int, int, int]:
         """(full pages, first SWA logical page, SWA pages) a decode side reserves for a prompt. The SWA
         range starts at ``swa_aligned_first_page`` (the earliest a prefill export may use)."""
