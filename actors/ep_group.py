@@ -156,18 +156,27 @@ class EPRankActor:
         self.ep.stop()
 
 
-def start_ep_group(cfg: EngineConfig, world: int, num_cpus: float = 0.25, timeout_s: float = 120.0) -> list:
-    """Creates the ``world`` rank actors of one EP group, joins them into gloo groups and starts the
-    followers serving; returns the handles, leader first. ``cfg.eplb.num_ranks`` must be ``world``."""
+def create_ep_group(cfg: EngineConfig, world: int, num_cpus: float = 0.25) -> list:
+    """Creates the ``world`` rank actors of one EP group without waiting for them (their processes start
+    meanwhile; ``join_ep_group`` joins them); leader first. ``cfg.eplb.num_ranks`` must be ``world``."""
     if cfg.eplb is None or cfg.eplb.num_ranks != world:
         raise ValueError(f"an EP group of {world} ranks needs EngineConfig.eplb.num_ranks == {world}")
-    ranks = [EPRankActor.options(num_cpus=num_cpus).remote(cfg, r, world) for r in range(world)]
+    return [EPRankActor.options(num_cpus=num_cpus).remote(cfg, r, world) for r in range(world)]
+
+
+def join_ep_group(ranks: list, timeout_s: float = 120.0) -> list:
+    """The rendezvous: rank 0's store, every rank into the gloo groups, followers serving. -> ranks."""
     port = ray.get(ranks[0].open_store.remote(), timeout=timeout_s)
     ray.get([a.join.remote(port, timeout_s) for a in ranks], timeout=timeout_s + 60)
     ray.get(ranks[0].set_peers.remote(ranks[1:]))
     for a in ranks[1:]:
         a.serve.remote()
     return ranks
+
+
+def start_ep_group(cfg: EngineConfig, world: int, num_cpus: float = 0.25, timeout_s: float = 120.0) -> list:
+    """``create_ep_group`` then ``join_ep_group``: a serving EP group; its handles, leader first."""
+    return join_ep_group(create_ep_group(cfg, world, num_cpus), timeout_s)
 
 
 def stop_ep_group(ranks: list) -> None:

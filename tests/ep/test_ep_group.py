@@ -26,12 +26,14 @@ def ep_config(world: int) -> EngineConfig:
 @pytest.fixture(scope="module")
 def groups():
     import ray
-    from actors.ep_group import start_ep_group, stop_ep_group
+    from actors.ep_group import create_ep_group, join_ep_group, stop_ep_group
     launch.start_local_ray(num_cpus=2)
     made = {}
     try:
         # All three groups start together: their processes build their engines concurrently.
-        made = {w: start_ep_group(ep_config(w), w, num_cpus=0.25) for w in (1, 2, 4)}
+        made = {w: create_ep_group(ep_config(w), w, num_cpus=0.25) for w in (1, 2, 4)}
+        for ranks in made.values():
+            join_ep_group(ranks)
         yield made
     finally:
         for ranks in made.values():
