@@ -23,7 +23,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model.attention import BatchMeta
-from engine.model.moe_ep import AllToAllDispatch, RankCounters, SlotStager, keep_local_slots
+from engine.model.moe_ep import RankCounters, SlotStager, cross_process_dispatch, keep_local_slots
 from engine.runner import ModelRunner
 
 
@@ -92,7 +92,8 @@ class EPRank:
         self.counters = RankCounters(len(self.moes))
         for i, moe in enumerate(self.moes):
             keep_local_slots(moe, rank, world)
-            moe.dispatch = AllToAllDispatch(group, i, self.counters)
+            moe.dispatch = cross_process_dispatch(cfg.eplb.dispatch, group, i, self.counters,
+                                                  moe.slots.num_physical, moe.experts.gate_up_proj.shape[1])
         self.lock = threading.Lock()      # one step or control message at a time on the serving group
         self.steps = 0
         self.stager: SlotStager | None = None

@@ -70,8 +70,8 @@ class EplbConfig:
             raise ValueError(f"EplbConfig.collect_seconds must be > 0, got {self.collect_seconds!r}")
         if not isinstance(self.migration_aware, bool):
             raise ValueError(f"EplbConfig.migration_aware must be a bool, got {self.migration_aware!r}")
-        if self.dispatch not in ("auto", "torch", "deep_ep"):
-            raise ValueError(f"EplbConfig.dispatch must be auto, torch or deep_ep, got {self.dispatch!r}")
+        if self.dispatch not in ("auto", "torch", "deep_ep", "deep_ep_ll"):
+            raise ValueError(f"EplbConfig.dispatch must be auto, torch, deep_ep or deep_ep_ll, got {self.dispatch!r}")
 
     def num_replicas(self, num_logical: int) -> int:
         return num_logical + self.num_redundant_experts

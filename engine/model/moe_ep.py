@@ -127,6 +127,45 @@ class AllToAllDispatch(Dispatch):
         return torch.cat([p[:b] for p, b in zip(parts, bounds)], 0)
 
 
+class ShardGather(Dispatch):
+    """Another cross-process dispatch (DeepEP's) under replicated attention: each rank hands the inner
+    dispatch only its shard of the batch's tokens (so no pair is computed R times) and all_gathers the
+    combined shards. ``counters`` gets the pairs this rank sent (DeepEP does not report what it received)."""
+
+    def __init__(self, inner: Dispatch, group, layer: int, counters: RankCounters) -> None:
+        import torch.distributed as dist
+        self.inner, self.dist, self.group, self.layer, self.counters = inner, dist, group, layer, counters
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.name = f"{inner.name}+shard"
+
+    def __call__(self, x, slot, weight, experts):
+        t0 = time.perf_counter()
+        bounds = [len(c) for c in torch.arange(x.shape[0]).tensor_split(self.world)]
+        lo, n = sum(bounds[:self.rank]), bounds[self.rank]
+        mine = self.inner(x[lo:lo + n], slot[lo:lo + n], weight[lo:lo + n], experts)
+        full = AllToAllDispatch._gather(self, mine, bounds)
+        self.counters.pairs[self.layer] += slot[lo:lo + n].numel()
+        self.counters.wall_s[self.layer] += time.perf_counter() - t0
+        return full
+
+
+def cross_process_dispatch(backend: str, group, layer: int, counters: RankCounters, num_slots: int,
+                           hidden: int) -> Dispatch:
+    """The EP group's dispatch for ``backend`` (EplbConfig.dispatch): DeepEP's normal kernels where
+    ``deep_ep`` imports and CUDA is up ("auto", "deep_ep"; "deep_ep_ll": the low-latency kernels), else the
+    all-to-all over ``group`` (gloo on CPU), which is what runs on this machine."""
+    from engine.model.moe_dispatch import DeepEPDispatch, DeepEPLowLatencyDispatch, deep_ep_available, log
+    if backend in ("auto", "deep_ep", "deep_ep_ll"):
+        ok, why = deep_ep_available()
+        if ok:
+            inner = DeepEPLowLatencyDispatch(group, num_slots, hidden) if backend == "deep_ep_ll" \
+                else DeepEPDispatch(group)
+            return ShardGather(inner, group, layer, counters)
+        if backend != "auto":
+            log.warning("EP dispatch: DeepEP unavailable (%s); using all_to_all over the process group", why)
+    return AllToAllDispatch(group, layer, counters)
+
+
 def keep_local_slots(moe: nn.Module, rank: int, num_ranks: int) -> None:
     """A layer with slot weights [P, ...] (moe_slots.to_slots) keeps only rank ``rank``'s [S, ...]; the
     mapping stays global. (A real deployment would load only these rows; the tiny models here load all.)"""
