@@ -23,7 +23,8 @@ import ray
 import torch
 
 from engine.eplb import (EplbConfig, LoadWindow, Placement, align_placement, balancedness,
-                         identity_placement, interval_counts, rebalance_placement, should_rebalance)
+                         identity_placement, interval_counts, moved_slots, rebalance_placement,
+                         should_rebalance)
 
 log = logging.getLogger("strata.eplb")
 
@@ -39,11 +40,14 @@ class Decision:
     placement: Placement | None
     before: torch.Tensor
     after: torch.Tensor
+    planned_moves: int = 0         # slots this placement changes
+    reference_moves: int = 0       # ... and those the placement algorithm's plain output would change
 
     def report(self, seconds: float = 0.0, moved_slots: int = 0, workers: int = 0) -> dict:
         return {"applied": self.apply, "reason": self.reason, "before": self.before.tolist(),
                 "after": self.after.tolist(), "seconds": seconds, "moved_slots": moved_slots,
-                "workers": workers}
+                "workers": workers, "planned_moves": self.planned_moves,
+                "reference_moves": self.reference_moves}
 
 
 @dataclass
@@ -51,6 +55,7 @@ class _Prev:
     logical: torch.Tensor
     slots: torch.Tensor
     steps: int
+    ranks: torch.Tensor | None = None
 
 
 @dataclass
@@ -76,6 +81,8 @@ class EplbRebalancer:
         R = c.num_ranks
         self.rank_load = torch.zeros(self.num_layers, R, dtype=torch.int64)   # last interval, measured
         self.rank_window = LoadWindow(c.window)                                # ... and the last window
+        self.rank_moe_seconds: dict[str, list[float]] = {}     # EP groups: expert seconds per rank
+        self.measured = False                                    # rank loads measured by EP ranks
         self.rebalances = self.skipped = 0
         self.last_seconds = self.total_seconds = self.last_apply_seconds = 0.0
         self.last: dict | None = None
@@ -85,10 +92,15 @@ class EplbRebalancer:
     def observe(self, readings: dict[str, dict], now: float) -> list[str]:
         """Adds one interval from the workers' readings ({"logical": [L, E], "slot_counts": [L, P],
         "phy2log": [L, P], "steps": int}, cumulative); returns the workers whose placement is not the
-        current one (to push it again)."""
+        current one (to push it again). An expert-parallel group's reading also carries what its ranks
+        measured: "rank_counts" [L, R] (token-choice pairs each rank's experts served) and
+        "rank_moe_seconds" [R] (expert compute time); those then are the rank loads, not the slot
+        counters."""
         L, E, P = self.num_layers, self.num_logical, self.placement.num_physical
         load = torch.zeros(L, E, dtype=torch.int64)
         slots = torch.zeros(L, P, dtype=torch.int64)
+        measured = torch.zeros(L, self.cfg.num_ranks, dtype=torch.int64)
+        has_measured = False
         stale = []
         for w, r in sorted(readings.items()):
             cur = _Prev(torch.as_tensor(r["logical"]).to(torch.int64),
@@ -96,9 +108,19 @@ class EplbRebalancer:
             if cur.logical.shape != (L, E) or cur.slots.shape != (L, P):
                 raise ValueError(f"worker {w}: counters {tuple(cur.logical.shape)}/{tuple(cur.slots.shape)}, "
                                  f"expected {(L, E)}/{(L, P)}")
+            if "rank_counts" in r:
+                cur.ranks = torch.as_tensor(r["rank_counts"]).to(torch.int64)
+                if cur.ranks.shape != (L, self.cfg.num_ranks):
+                    raise ValueError(f"worker {w}: rank_counts {tuple(cur.ranks.shape)}, expected "
+                                     f"{(L, self.cfg.num_ranks)}")
+                self.rank_moe_seconds[w] = [float(x) for x in r.get("rank_moe_seconds", [])]
             prev = self.prev.get(w)
             if prev is None or cur.steps < prev.steps:   # new, or restarted: it counted all since start
                 prev = _Prev(torch.zeros_like(cur.logical), torch.zeros_like(cur.slots), 0)
+            if cur.ranks is not None:
+                has_measured = True
+                measured += interval_counts(prev.ranks if prev.ranks is not None else torch.zeros_like(cur.ranks),
+                                            cur.ranks)
             load += interval_counts(prev.logical, cur.logical)
             slots += interval_counts(prev.slots, cur.slots)
             self.steps += cur.steps - prev.steps
@@ -106,7 +128,8 @@ class EplbRebalancer:
             if not torch.equal(torch.as_tensor(r["phy2log"]).to(torch.int64), self.placement.phy2log):
                 stale.append(w)
         self.window = self.window.push(load, now)
-        self.rank_load = slots.view(L, self.cfg.num_ranks, -1).sum(-1)
+        self.measured = has_measured
+        self.rank_load = measured if has_measured else slots.view(L, self.cfg.num_ranks, -1).sum(-1)
         self.rank_window = self.rank_window.push(self.rank_load, now)
         return stale
 
@@ -115,7 +138,10 @@ class EplbRebalancer:
 
     # ---- deciding ------------------------------------------------------------------------------
     def current_balancedness(self) -> torch.Tensor:
-        """Per layer [L] of the current placement on the window's load (1.0 with no load yet)."""
+        """Per layer [L] of the current placement on the window's load (1.0 with no load yet); with an
+        EP group's measured rank loads (since the last placement change), those."""
+        if self.measured and len(self.rank_window) and int(self.rank_window.total().sum()) > 0:
+            return _balance(self.rank_window.total())
         if not len(self.window):
             return torch.ones(self.num_layers, dtype=torch.float64)
         p = self.placement
@@ -129,9 +155,11 @@ class EplbRebalancer:
         if not len(self.window) or int(self.window.total().sum()) == 0:
             return Decision(False, "no expert load recorded yet", None, before, before)
         new = rebalance_placement(self.window.total(), self.cfg)
-        # Same rank loads, fewer weights to move: keep experts where they already are when possible.
-        new = Placement.from_phy2log(align_placement(self.placement.phy2log, new.phy2log, self.cfg.num_ranks),
-                                     self.num_logical)
+        reference_moves = moved_slots(self.placement.phy2log, new.phy2log)
+        if self.cfg.migration_aware:
+            # Same rank loads, fewer weights to move: keep experts where they already are when possible.
+            new = Placement.from_phy2log(align_placement(self.placement.phy2log, new.phy2log, self.cfg.num_ranks,
+                                                         self.cfg.num_nodes), self.num_logical)
         after = balancedness(self.window.total(), new.phy2log, new.logcnt, self.cfg.num_ranks)
         b, a = float(before.mean()), float(after.mean())
         if force:
@@ -142,12 +170,14 @@ class EplbRebalancer:
                    else f"no better placement (balancedness {b:.3f})")
         if not ok:
             return Decision(False, why, None, before, before)
-        return Decision(True, f"balancedness {b:.3f} -> {a:.3f}", new, before, after)
+        return Decision(True, f"balancedness {b:.3f} -> {a:.3f}", new, before, after,
+                        moved_slots(self.placement.phy2log, new.phy2log), reference_moves)
 
     def applied(self, d: Decision, seconds: float, apply_seconds: float, moved: int, workers: int) -> dict:
         """Records a placement pushed to the workers (``seconds``: the whole push; ``apply_seconds``:
         the slowest worker's weight swap)."""
         self.placement = d.placement
+        self.rank_window = LoadWindow(self.cfg.window)    # measured under the old placement
         self.rebalances += 1
         self.last_seconds, self.last_apply_seconds = seconds, apply_seconds
         self.total_seconds += seconds
@@ -176,6 +206,7 @@ class EplbRebalancer:
             "rank_load": window.tolist(), "rank_load_total": window.sum(0).tolist(),
             "measured_balancedness": _balance(window).tolist(),
             "rank_load_last": self.rank_load.tolist(), "measured_balancedness_last": _balance(self.rank_load).tolist(),
+            "rank_moe_seconds": {w: list(v) for w, v in sorted(self.rank_moe_seconds.items())},
             "phy2log": self.placement.phy2log.tolist(), "last": self.last, "last_applied": self.last_applied,
         }
 

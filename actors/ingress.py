@@ -269,7 +269,23 @@ def eplb_gauges(st: dict) -> dict:
         out[f'strata_eplb_measured_balancedness|{{layer="{i}"}}'] = b
     for r, n in enumerate(st["rank_load_total"]):
         out[f'strata_eplb_rank_load|{{rank="{r}"}}'] = n
+    # Expert-parallel groups (actors/ep_group.py): what each rank measured in the last interval and its
+    # cumulative expert compute time.
+    for r, n in enumerate(torch_sum_rows(st.get("rank_load_last", []))):
+        out[f'strata_ep_rank_tokens_last|{{rank="{r}"}}'] = n
+    for w, secs in st.get("rank_moe_seconds", {}).items():
+        for r, v in enumerate(secs):
+            out[f'strata_ep_rank_moe_seconds_total|{{worker="{w}",rank="{r}"}}'] = v
+    last = st.get("last_applied") or {}
+    if "planned_moves" in last:
+        out["strata_eplb_last_moved_slots"] = last["planned_moves"]
+        out["strata_eplb_last_reference_moves"] = last["reference_moves"]
     return out
+
+
+def torch_sum_rows(rows: list) -> list:
+    """[L][R] nested lists -> per-rank sums [R] (layers summed)."""
+    return [sum(col) for col in zip(*rows)] if rows else []
 
 
 def _unwrap(e: Exception) -> Exception:

@@ -30,7 +30,9 @@ class EplbConfig:
     The engine reads the slot layout (``num_ranks`` x (E + ``num_redundant_experts``) / ``num_ranks``
     slots) and ``dispatch`` ("auto", "torch", "deep_ep"); the rebalancer reads the rest: it collects the
     workers' counters every ``collect_seconds`` (one window interval) and acts on its own schedule only
-    when ``auto`` (``strata rebalance`` triggers it by hand either way)."""
+    when ``auto`` (``strata rebalance`` triggers it by hand either way). ``migration_aware``: relabel the
+    new placement's ranks and slots to keep experts where they are (``align_placement``: the same
+    balancedness, fewer weights moved); false applies the placement algorithm's plain output."""
     num_redundant_experts: int = 0
     num_ranks: int = 1
     num_groups: int = 1
@@ -42,6 +44,7 @@ class EplbConfig:
     auto: bool = True
     collect_seconds: float = 1.0
     dispatch: str = "auto"
+    migration_aware: bool = True
 
     def __post_init__(self) -> None:
         for name, lo in (("num_redundant_experts", 0), ("num_ranks", 1), ("num_groups", 1), ("num_nodes", 1),
@@ -65,8 +68,10 @@ class EplbConfig:
         if isinstance(self.collect_seconds, bool) or not isinstance(self.collect_seconds, (int, float)) \
                 or not self.collect_seconds > 0:
             raise ValueError(f"EplbConfig.collect_seconds must be > 0, got {self.collect_seconds!r}")
-        if self.dispatch not in ("auto", "torch", "deep_ep"):
-            raise ValueError(f"EplbConfig.dispatch must be auto, torch or deep_ep, got {self.dispatch!r}")
+        if not isinstance(self.migration_aware, bool):
+            raise ValueError(f"EplbConfig.migration_aware must be a bool, got {self.migration_aware!r}")
+        if self.dispatch not in ("auto", "torch", "deep_ep", "deep_ep_ll"):
+            raise ValueError(f"EplbConfig.dispatch must be auto, torch, deep_ep or deep_ep_ll, got {self.dispatch!r}")
 
     def num_replicas(self, num_logical: int) -> int:
         return num_logical + self.num_redundant_experts
@@ -292,26 +297,45 @@ def rebalance_placement(weight: torch.Tensor, cfg: EplbConfig) -> Placement:
     return Placement(*p)
 
 
-def align_placement(current: torch.Tensor, new: torch.Tensor, num_ranks: int) -> torch.Tensor:
-    """new phy2log [L, P] relabelled to move as few expert weights as possible from current [L, P]:
-    ranks are matched greedily (the pair sharing the most experts first) and, within a rank, a slot keeps
-    its expert whenever the new rank holds that expert too. Rank loads (hence balancedness) are those of
-    ``new``: only which rank is called which, and the order of slots inside a rank, change."""
-    if current.shape != new.shape or current.dim() != 2 or current.shape[1] % num_ranks:
-        raise ValueError(f"shapes: current {tuple(current.shape)}, new {tuple(new.shape)}, ranks {num_ranks}")
+def align_placement(current: torch.Tensor, new: torch.Tensor, num_ranks: int, num_nodes: int = 1
+                    ) -> torch.Tensor:
+    """The migration-aware placement: new phy2log [L, P] relabelled to move as few expert weights as
+    possible from current [L, P]. Nodes are matched first (the pair sharing the most experts first), then
+    the ranks within each matched pair of nodes, and, within a rank, a slot keeps its expert whenever the
+    new rank holds that expert too. Every rank's multiset of experts is one of ``new``'s, so rank loads
+    (hence balancedness) are exactly those of ``new``, and a node keeps whole expert groups when ``new``
+    did (ranks never change node)."""
+    if current.shape != new.shape or current.dim() != 2 or current.shape[1] % num_ranks or num_ranks % num_nodes:
+        raise ValueError(f"shapes: current {tuple(current.shape)}, new {tuple(new.shape)}, ranks {num_ranks}, "
+                         f"nodes {num_nodes}")
     L, P = new.shape
-    S, E = P // num_ranks, int(max(current.max(), new.max())) + 1
+    S, E, rpn = P // num_ranks, int(max(current.max(), new.max())) + 1, num_ranks // num_nodes
     out = torch.empty_like(new)
-    for layer in range(L):
-        cur_r, new_r = current[layer].view(num_ranks, S), new[layer].view(num_ranks, S)
-        hist = lambda rows: torch.zeros(num_ranks, E, dtype=torch.int64).scatter_add_(  # noqa: E731
-            1, rows, torch.ones_like(rows))
-        overlap = torch.minimum(hist(cur_r)[:, None, :], hist(new_r)[None, :, :]).sum(-1)   # [cur, new]
-        target = torch.empty(num_ranks, dtype=torch.int64)        # new rank j -> current rank target[j]
-        for _ in range(num_ranks):
-            i, j = divmod(int(overlap.argmax()), num_ranks)
+
+    def hist(rows: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(rows.shape[0], E, dtype=torch.int64).scatter_add_(1, rows, torch.ones_like(rows))
+
+    def match(overlap: torch.Tensor) -> list[int]:
+        """overlap [cur, new] -> new j -> cur target[j], greedily by the largest overlap."""
+        n = overlap.shape[0]
+        overlap, target = overlap.clone(), [0] * n
+        for _ in range(n):
+            i, j = divmod(int(overlap.argmax()), n)
             target[j] = i
             overlap[i, :], overlap[:, j] = -1, -1
+        return target
+
+    for layer in range(L):
+        cur_r, new_r = current[layer].view(num_ranks, S), new[layer].view(num_ranks, S)
+        hc, hn = hist(cur_r), hist(new_r)
+        rank_overlap = torch.minimum(hc[:, None, :], hn[None, :, :]).sum(-1)              # [cur, new]
+        node_overlap = torch.minimum(hc.view(num_nodes, rpn, E).sum(1)[:, None, :],
+                                     hn.view(num_nodes, rpn, E).sum(1)[None, :, :]).sum(-1)
+        target = [0] * num_ranks                         # new rank j -> current rank target[j]
+        for nj, ni in enumerate(match(node_overlap)):
+            sub = rank_overlap[ni * rpn:(ni + 1) * rpn, nj * rpn:(nj + 1) * rpn]
+            for j, i in enumerate(match(sub)):
+                target[nj * rpn + j] = ni * rpn + i
         for j in range(num_ranks):
             keep, todo = cur_r[target[j]].tolist(), new_r[j].tolist()
             row = [-1] * S
@@ -324,6 +348,11 @@ def align_placement(current: torch.Tensor, new: torch.Tensor, num_ranks: int) ->
                     row[pos] = todo.pop(0)
             out[layer, target[j] * S:(target[j] + 1) * S] = torch.tensor(row, dtype=new.dtype)
     return out
+
+
+def moved_slots(current: torch.Tensor, new: torch.Tensor) -> int:
+    """Slots whose expert changes from current [L, P] to new [L, P]: the weights a rebalance moves."""
+    return int((torch.as_tensor(current) != torch.as_tensor(new)).sum())
 
 
 def rank_loads(weight: torch.Tensor, phy2log: torch.Tensor, logcnt: torch.Tensor, num_ranks: int

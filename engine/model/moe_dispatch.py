@@ -1,13 +1,19 @@
 """How routed tokens reach their expert slots and come back: the dispatch interface of the MoE layer.
 
-``TorchDispatch`` (the default, and the only one that runs here) computes every slot in this process:
+``TorchDispatch`` (the default in one process) computes every slot in this process:
 a dense path (every slot on every token; cheaper than per-expert dispatch for tiny experts) and a
 per-slot path. Both combine a token's k contributions in choice order (sum over k of w[t, k] * y), so
 the output does not depend on which slot, i.e. which replica, served each choice.
 
 ``DeepEPDispatch`` sends tokens to the ranks that own their slots over DeepEP's all-to-all kernels (GPU
 clusters with NVLink/RDMA). It is built only where ``import deep_ep`` works and a torch.distributed
-group is up; ``select_dispatch`` falls back to torch with a log line otherwise.
+group is up; ``select_dispatch`` falls back to torch with a log line otherwise. ``DeepEPLowLatencyDispatch``
+uses DeepEP's low-latency (decode) kernels. Neither has run on the machines strata is developed on (no
+GPU, no deep_ep build): both are written to DeepEP's documented interface and stay import-guarded.
+
+Across processes (an EP group, engine/ep.py) engine/model/moe_ep.py's ``AllToAllDispatch`` runs the same
+interface over a torch.distributed group handed in from above (gloo here, NCCL on GPU), and
+``cross_process_dispatch`` picks DeepEP instead where it is usable.
 
 Shapes: T tokens, H hidden, K choices per token, N weight rows (slots; N = E logical experts when the
 layer has no slots).
@@ -25,7 +31,7 @@ log = logging.getLogger("strata.moe")
 # ops: for tiny models per-expert dispatch costs far more in op overhead than the wasted FLOPs.
 DENSE_MAX_ELEMS = 1 << 21
 
-BACKENDS = ("auto", "torch", "deep_ep")
+BACKENDS = ("auto", "torch", "deep_ep", "deep_ep_ll")  # ll: in one process, as deep_ep
 
 
 def swiglu(gu: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
@@ -132,6 +138,38 @@ class DeepEPDispatch(Dispatch):
                 out[tok] += experts.expert(s, recv_x[tok]) * w
         combined, _, _ = self.buffer.combine(out, handle)
         return combined
+
+
+class DeepEPLowLatencyDispatch(Dispatch):
+    """Expert parallelism over DeepEP's low-latency kernels (decode: small batches, RDMA, fixed-size
+    receive buffers of ``max_tokens`` per rank). Each rank receives [S, max_tokens * R, H] rows grouped by
+    its local slot with ``recv_count`` [S] valid rows per slot; the combine kernel applies the router
+    weights and sums over ranks. Needs ``deep_ep`` with low-latency support, CUDA and the group; never
+    run here (no GPU on the machine this was written on), so it follows DeepEP's documented interface."""
+
+    name = "deep_ep_ll"
+
+    def __init__(self, group, num_slots: int, hidden: int, max_tokens: int = 128) -> None:
+        deep_ep = importlib.import_module("deep_ep")
+        if not torch.cuda.is_available():
+            raise RuntimeError("DeepEP needs CUDA")
+        self.group, self.num_slots, self.max_tokens = group, num_slots, max_tokens
+        R = group.size()
+        rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, R, num_slots)
+        self.buffer = deep_ep.Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=num_slots // R)
+
+    def __call__(self, x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, experts) -> torch.Tensor:
+        if x.shape[0] > self.max_tokens:
+            raise ValueError(f"DeepEP low-latency: {x.shape[0]} tokens > max_tokens {self.max_tokens}")
+        idx = slot.to(torch.int64)
+        recv_x, recv_count, handle, _, _ = self.buffer.low_latency_dispatch(
+            x, idx, self.max_tokens, self.num_slots, use_fp8=False)
+        out = torch.empty_like(recv_x)                                     # [S, max_tokens * R, H]
+        for s, n in enumerate(recv_count.tolist()):
+            if n:
+                out[s, :n] = experts.expert(s, recv_x[s, :n])
+        combined, _, _ = self.buffer.low_latency_combine(out, idx, weight.float(), handle)
+        return combined.to(x.dtype)
 
 
 def deep_ep_available() -> tuple[bool, str]:
