@@ -13,7 +13,7 @@ import torch
 from engine import Engine, SamplingParams
 from engine.request import Status
 from storage.config import HiCacheConfig
-from storage.hicache_prefetch import prefetch_ready, usable_end
+from storage.hicache.prefetch import find_cuts, prefetch_ready, usable_end
 from storage.l3 import L3Config, l3_key
 from storage.l3.base import key_digest
 from storage.l3.file import FileStore
@@ -101,11 +101,29 @@ def test_policy_decisions():
 
 
 def test_usable_prefix_needs_the_last_window():
-    assert usable_end(4, 10, 6, True, 3) == 10        # all arrived, window too
-    assert usable_end(4, 10, 5, True, 3) == 4         # a full page missing: its window was never fetched
-    assert usable_end(4, 10, 6, False, 3) == 4        # the window failed
-    assert usable_end(4, 10, 3, False, 0) == 7        # no SWA: the arrived prefix
-    assert usable_end(4, 4, 0, False, 3) == 4
+    assert usable_end(4, 10, 6, [10], 3) == 10        # all arrived, window too
+    assert usable_end(4, 10, 5, [10], 3) == 4         # a full page missing: its window is not usable
+    assert usable_end(4, 10, 6, [], 3) == 4           # the window failed
+    assert usable_end(4, 10, 3, [], 0) == 7           # no SWA: the arrived prefix
+    assert usable_end(4, 4, 0, [], 3) == 4
+    # Partial on a hybrid model: the longest arrived prefix whose own last window arrived.
+    assert usable_end(4, 10, 5, [7, 10], 3) == 7
+    assert usable_end(4, 10, 2, [7, 10], 3) == 4      # page 6 not there yet: 7 is not usable either
+    assert usable_end(4, 10, 6, [7], 3) == 7          # the final window failed, an earlier one arrived
+
+
+def test_cuts_are_the_points_whose_window_the_store_holds():
+    held = {2, 3, 4, 8, 9, 10, 11}                    # SWA pages in L3: the windows of earlier sequences
+
+    def exists(lo, hi):
+        n = 0
+        while lo + n < hi and lo + n in held:
+            n += 1
+        return n
+    assert find_cuts(exists, 1, 12, 3) == [5, 11, 12]
+    assert find_cuts(exists, 5, 12, 3) == [11, 12]
+    assert find_cuts(exists, 0, 8, 3) == [5]
+    assert find_cuts(exists, 0, 3, 3) == []           # [0, 3) lacks pages 0 and 1
 
 
 def test_config_validation():

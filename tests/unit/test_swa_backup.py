@@ -4,6 +4,7 @@ more host memory, by the factor bench/multiturn_offline's bound predicts, and fr
 import pytest
 import torch
 
+import bench.swa_oblivious  # noqa: F401  (registers the SWA-oblivious L2 tier, swa_backup="all")
 from engine import Engine, SamplingParams
 from storage.config import HiCacheConfig
 
