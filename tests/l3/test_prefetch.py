@@ -156,7 +156,7 @@ def test_best_effort_takes_what_arrived(written, l3dir, ref):
     b = _engine(l3dir, prefetch_policy="best_effort")
     got = b.generate([turn2], SP)[0]
     numerics.assert_same_output(got, want, ref.model_config)
-    # Hybrid model: the prefix is usable only where its last window arrived, so all or nothing.
+    # Hybrid model: usable only up to a point whose last window arrived; L3 holds one (the prompt's): all or nothing.
     assert got.cached_tokens_by_tier["L3"] in (0, PS * (len(prompt) // PS))
     _done(b)
 
@@ -310,4 +310,56 @@ def test_prefetch_starts_while_queued_behind_others(written, l3dir, ref):
     out = b.pop_finished(r)
     numerics.assert_same_output(out, want, ref.model_config)
     assert out.cached_tokens_by_tier["L3"] == PS * (len(prompt) // PS)
+    _done(b)
+
+
+class HeldFileStore(FileStore):
+    """The real file store, with reads of the ``held`` keys kept waiting until the test opens the gate;
+    ``blocked`` tells the test that the reader reached them (everything before has arrived)."""
+
+    def __init__(self, cfg, held: set[str], gate: threading.Event, blocked: threading.Event) -> None:
+        super().__init__(cfg)
+        self.held, self.gate, self.blocked = held, gate, blocked
+
+    def _get(self, keys, pages):
+        if self.held.intersection(keys):
+            self.blocked.set()
+            self.gate.wait(120)
+        return super()._get(keys, pages)
+
+
+@pytest.mark.numerics
+def test_partial_prefetch_takes_the_longest_prefix_whose_window_arrived(tmp_path, ref):
+    """Hybrid model, slow store: L3 holds the last windows of two earlier sequences (20 pages, then
+    longer). The reads past page 20 hang, the timeout passes, and the request takes the first 20 pages
+    from L3 -- their own last window arrived -- instead of nothing; tokens as if recomputed."""
+    a = _engine(tmp_path)
+    g = torch.Generator().manual_seed(5)
+    p1 = torch.randint(0, 256, (20 * PS,), generator=g).tolist()
+    p2 = p1 + a.generate([p1], SP)[0].token_ids + torch.randint(0, 256, (6 * PS,), generator=g).tolist()
+    turn3 = p2 + a.generate([p2], SP)[0].token_ids + [9] * 10
+    a.cache.poll(block=True)
+    a.close()
+    b = _engine(tmp_path, prefetch_policy="timeout", prefetch_timeout_base=600.0, prefetch_batch_pages=4)
+    keys = b.cache.tree.page_keys(turn3)
+    tier = b.cache.l3
+    assert tier.store.batch_exists(tier.keys(keys[16:20], "swa")) == 4    # the first sequence's window
+    gate, blocked = threading.Event(), threading.Event()
+    tier.store.close()
+    tier.store = HeldFileStore(tier.store.cfg, set(tier.keys(keys[20:], "full")), gate, blocked)
+    clock = [0.0]
+    b.hooks.wall_clock = lambda: clock[0]
+    r = b.add_request(turn3, SP)
+    for _ in range(10_000):
+        if blocked.wait(0.001):
+            break
+        b.step()
+    assert blocked.is_set() and b.requests[r].status is Status.WAITING
+    clock[0] = 1e9                                        # the deadline passes with pages 0..19 arrived
+    while b.requests[r].status is not Status.FINISHED:
+        b.step()
+    out = b.pop_finished(r)
+    gate.set()
+    numerics.assert_same_output(out, ref.generate([turn3], numerics.with_logits(SP))[0], ref.model_config)
+    assert out.cached_tokens_by_tier == {"L1": 0, "L2": 0, "L3": 20 * PS}
     _done(b)
