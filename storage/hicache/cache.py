@@ -275,7 +275,7 @@ class HiCache:
         swa = swa_pages if self.has_swa else None   # the tree copies both lists
         keys = keys.extended(tokens, n) if keys is not None else self.tree.sequence_keys(tokens, n)
         res = self.tree.insert(keys, full_pages, swa, now=now)
-        self._write.inserted(res.node.path())
+        self._write.inserted(res.node)
         return res.free_full, res.free_swa
 
     def insert_and_hold(self, tokens: Sequence[int], full_pages: Sequence[int],
@@ -292,9 +292,8 @@ class HiCache:
         res = self.tree.insert(keys, list(full_pages), swa, now=now)
         hit = PrefixHit(node=res.node, num_pages=n, keys=keys)
         self._lock(hit)
-        path = res.node.path()
-        gather_l1(hit, path, n, self.tree.window_pages)   # an insert leaves its whole path in L1
-        self._write.inserted(path)
+        gather_l1(hit, res.node.path(), n, self.tree.window_pages)   # an insert leaves its whole path in L1
+        self._write.inserted(res.node)
         return hit, res.free_full, res.free_swa
 
     # ---- L1 room and background work ---------------------------------------------------------------

@@ -20,9 +20,8 @@ the reads stop (``cancelled`` stops them after the current batch).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional, Protocol
+from typing import NamedTuple, Protocol
 
-from storage.copier import Copier, Job, LayerFuture
 from storage.l3.config import PREFETCH_POLICIES, L3Config
 from storage.pools import FULL, SWA
 

@@ -31,16 +31,16 @@ class WritePolicy:
             for c in self.components:
                 self.backup(nd, c)
 
-    def inserted(self, nodes: list[Node]) -> None:
-        """``nodes`` (a path from the root) just entered the tree or were extended."""
+    def inserted(self, node: Node) -> None:
+        """The path from the root to ``node`` just entered the tree or was extended."""
 
     def hit(self, nodes: list[Node]) -> None:
         """A match used ``nodes``; their hit counts are up to date."""
 
 
 class WriteThrough(WritePolicy):
-    def inserted(self, nodes: list[Node]) -> None:
-        self.backup_all(nodes)
+    def inserted(self, node: Node) -> None:
+        self.backup_all(node.path())
 
 
 class WriteThroughSelective(WritePolicy):
