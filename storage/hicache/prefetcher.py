@@ -42,10 +42,16 @@ class Prefetcher:
     def _looked_up(self, pf: Prefetch) -> None:
         pf.running = False
         end, cuts = pf.found
-        wp = self.window_pages
-        swa = sorted({i for m in cuts for i in range(max(0, m - wp), m)}) if wp else []
         h_full = None if pf.released or end <= pf.start else self.l2.alloc(FULL, end - pf.start)
-        h_swa = self.l2.alloc(SWA, len(swa)) if h_full is not None else None
+        h_swa = None
+        # Every cut's window, so whatever prefix arrives can be used; when L2 has no room for them all,
+        # only the last one's (all or nothing, as before partial prefixes).
+        for tried in ((cuts, cuts[-1:]) if h_full is not None else ()):
+            swa = self._window_pages(tried)
+            h_swa = self.l2.alloc(SWA, len(swa))
+            if h_swa is not None:
+                cuts = tried
+                break
         if h_full is None or h_swa is None:
             self.l2.free(FULL, h_full or [])
             pf.end, pf.complete = pf.start, True
@@ -55,6 +61,11 @@ class Prefetcher:
         pf.running = True
         self.jobs.submit(Job(lambda f: self._read(pf), LayerFuture({}), lambda: self._read_done(pf),
                              tag="l3 prefetch"))
+
+    def _window_pages(self, cuts: list[int]) -> list[int]:
+        """The SWA pages of the windows that end at ``cuts``, ascending."""
+        wp = self.window_pages
+        return sorted({i for m in cuts for i in range(max(0, m - wp), m)}) if wp else []
 
     def _read_done(self, pf: Prefetch) -> None:
         pf.running, pf.complete = False, True
