@@ -32,6 +32,7 @@ from storage.hicache.l3_tier import L3Tier
 from storage.hicache.loadback import LoadBack, gather_l1
 from storage.hicache.tier import NoCopier, NoTier, free_pages
 from storage.hicache.write import write_policy
+from storage.l3 import make_store
 from storage.pools import COMPONENTS, FULL, SWA, KVPools
 from storage.radix import RadixTree
 from storage.radix_node import L1, L3, Node
@@ -55,11 +56,12 @@ class HiCache:
                       # L2 -> L1 pages of load-back: read by their request's forward, or released unread
                       "loadback": {"loaded": 0, "used": 0, "wasted": 0, "deferred": 0,
                                    "loaded_full": 0, "loaded_swa": 0}}
+        host_tier = host_tier_class(cfg.swa_backup) if cfg is not None else None   # before any thread starts
         self.copier = Copier() if cfg is not None else NoCopier()
-        self._l2 = NoTier() if cfg is None else \
-            host_tier_class(cfg.swa_backup)(self.tree, pools, cfg, self.copier, self.components, self.stats)
+        self._l2 = NoTier() if host_tier is None else \
+            host_tier(self.tree, pools, cfg, self.copier, self.components, self.stats)
         self._l3 = NoTier() if cfg is None or cfg.l3 is None else \
-            L3Tier(cfg.l3, model_id, self.tree, self._l2, self.copier, wp, self.page_size)
+            L3Tier(make_store(cfg.l3), cfg.l3, model_id, self.tree, self._l2, self.copier, wp, self.page_size)
         self._write = write_policy(cfg, self._l2, self._l3, self.components)
         self._l1 = L1Space(self.tree, pools, self._l2, self.copier, self.stats, self._write.on_evict)
         self._load = LoadBack(self.tree, pools, self._l1, self._l2, self.copier, self.stats, wp)

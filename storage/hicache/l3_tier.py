@@ -1,8 +1,8 @@
 """L3, the shared store below L2: write-through of L2 pages to the store, and the prefetcher that reads
 pages other workers (or an earlier life of this one) left there back into L2.
 
-Given the tree, the L2 tier (whose host pages it writes from and reads into) and the copier its writes
-run on. Pages are keyed ``l3_key(model_id, component, page_key)``; the SWA component stores only each
+Given the store, the tree, the L2 tier (whose host pages it writes from and reads into) and the copier
+its writes run on. Pages are keyed ``l3_key(model_id, component, page_key)``; the SWA component stores only each
 sequence's last window, like L2. Reads are verified by the store (a failed read is a miss: the prefix
 just stops short, never wrong tokens).
 """
@@ -12,7 +12,8 @@ import kernels
 from storage.copier import Copier, Job, LayerFuture
 from storage.hicache.prefetch import Prefetch
 from storage.hicache.prefetcher import Prefetcher
-from storage.l3 import l3_key, make_store
+from storage.l3 import l3_key
+from storage.l3.base import L3Store
 from storage.l3.config import L3Config
 from storage.pools import FULL, SWA
 from storage.radix import RadixTree
@@ -22,10 +23,10 @@ from storage.radix_node import Node
 class L3Tier:
     present = True
 
-    def __init__(self, cfg: L3Config, model_id: str, tree: RadixTree, l2, copier: Copier,
+    def __init__(self, store: L3Store, cfg: L3Config, model_id: str, tree: RadixTree, l2, copier: Copier,
                  window_pages: int, page_size: int) -> None:
         self.tree, self.l2, self.copier = tree, l2, copier
-        self.store = make_store(cfg)
+        self.store = store   # read through here (the prefetcher too), so a test may swap it
         self.model_id = model_id
         self.stats = {"written_pages": 0, "write_failures": 0, "hit_pages": 0, "read_failures": 0}
         self.prefetcher = Prefetcher(self, l2, tree, window_pages, page_size, cfg)
