@@ -154,10 +154,7 @@ class Prefetcher:
             hi = min(lo + batch, pf.end)
             got = io.read_pages(full, io.keys(pf.keys[lo:hi], FULL), h_full[lo - pf.start:hi - pf.start])
             pf.arrived += got
-            if got < hi - lo:
-                self.stats["failed_pages"] += 1
-                return
-            while cut is not None and cut <= hi:   # the windows of the cuts these pages reach
+            while cut is not None and cut <= lo + got:   # the windows of the cuts these pages reach
                 need = [i for i in range(max(0, cut - wp), cut) if i not in tried]
                 if need:
                     n = io.read_pages(swa, io.keys([pf.keys[i] for i in need], SWA), [pf.h_swa[i] for i in need])
@@ -168,3 +165,6 @@ class Prefetcher:
                 if all(i in ok_swa for i in range(max(0, cut - wp), cut)):
                     pf.windows.append(cut)
                 cut = next(cuts, None)
+            if got < hi - lo:
+                self.stats["failed_pages"] += 1
+                return

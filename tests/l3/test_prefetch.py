@@ -328,19 +328,28 @@ class HeldFileStore(FileStore):
         return super()._get(keys, pages)
 
 
-@pytest.mark.numerics
-def test_partial_prefetch_takes_the_longest_prefix_whose_window_arrived(tmp_path, ref):
-    """Hybrid model, slow store: L3 holds the last windows of two earlier sequences (20 pages, then
-    longer). The reads past page 20 hang, the timeout passes, and the request takes the first 20 pages
-    from L3 -- their own last window arrived -- instead of nothing; tokens as if recomputed."""
-    a = _engine(tmp_path)
+@pytest.fixture(scope="module")
+def two_sequences(tmp_path_factory, ref):
+    """Engine A served a 20-page prompt, then a longer second turn: L3 holds the last window of each
+    (SWA pages 16..19 and the second turn's). The third turn, and its tokens."""
+    root = tmp_path_factory.mktemp("l3two")
+    a = _engine(root)
     g = torch.Generator().manual_seed(5)
     p1 = torch.randint(0, 256, (20 * PS,), generator=g).tolist()
     p2 = p1 + a.generate([p1], SP)[0].token_ids + torch.randint(0, 256, (6 * PS,), generator=g).tolist()
     turn3 = p2 + a.generate([p2], SP)[0].token_ids + [9] * 10
     a.cache.poll(block=True)
     a.close()
-    b = _engine(tmp_path, prefetch_policy="timeout", prefetch_timeout_base=600.0, prefetch_batch_pages=4)
+    return root, turn3, ref.generate([turn3], numerics.with_logits(SP))[0]
+
+
+@pytest.mark.numerics
+def test_partial_prefetch_takes_the_longest_prefix_whose_window_arrived(two_sequences, tmp_path, ref):
+    """Hybrid model, slow store: the reads past page 20 hang, the timeout passes, and the request takes
+    the first 20 pages from L3 -- their own last window arrived -- instead of nothing."""
+    shutil.copytree(two_sequences[0], tmp_path / "l3")
+    _, turn3, want = two_sequences
+    b = _engine(tmp_path / "l3", prefetch_policy="timeout", prefetch_timeout_base=600.0, prefetch_batch_pages=4)
     keys = b.cache.tree.page_keys(turn3)
     tier = b.cache.l3
     assert tier.store.batch_exists(tier.keys(keys[16:20], "swa")) == 4    # the first sequence's window
@@ -360,6 +369,26 @@ def test_partial_prefetch_takes_the_longest_prefix_whose_window_arrived(tmp_path
         b.step()
     out = b.pop_finished(r)
     gate.set()
-    numerics.assert_same_output(out, ref.generate([turn3], numerics.with_logits(SP))[0], ref.model_config)
+    numerics.assert_same_output(out, want, ref.model_config)
     assert out.cached_tokens_by_tier == {"L1": 0, "L2": 0, "L3": 20 * PS}
+    _done(b)
+
+
+@pytest.mark.numerics
+def test_corrupt_page_past_a_window_keeps_the_prefix_before_it(two_sequences, tmp_path, ref):
+    """A corrupt full page 22 ends the reads; the 20 pages before it have their window: they are used."""
+    shutil.copytree(two_sequences[0], tmp_path / "l3")
+    _, turn3, want = two_sequences
+    b = _engine(tmp_path / "l3", prefetch_batch_pages=4)
+    name = key_digest(l3_key(b.model_id(), "full", b.cache.tree.page_keys(turn3)[22])).hex()
+    path = os.path.join(tmp_path / "l3", "v1", name[:2], name[2:])
+    with open(path, "r+b") as fh:
+        fh.seek(os.path.getsize(path) - 7)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0x40]))
+    got = b.generate([turn3], SP)[0]
+    numerics.assert_same_output(got, want, ref.model_config)
+    assert got.cached_tokens_by_tier == {"L1": 0, "L2": 0, "L3": 20 * PS}
+    assert b.cache.l3.store.stats()["corrupt"] == 1
     _done(b)
