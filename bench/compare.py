@@ -28,6 +28,7 @@ from bench.common import RESULTS, table, write_json
 from bench.compare_report import checks, markdown, plot_all, row_of, update_readme
 from bench.multiturn import run_workload
 from bench.multiturn_workload import WorkloadConfig, summarize
+from bench.swa_oblivious import SETUP_HOOK
 from cluster.config import ClusterConfig, RayConfig, ServerConfig, WorkersConfig
 from actors.routing import RouterConfig
 from engine.config import EngineConfig
@@ -97,7 +98,10 @@ def run_variant(var: Variant, wl: WorkloadConfig, l3_dir: str | None) -> dict:
     t_start = time.perf_counter()
     handles = None
     try:
-        launch.init_ray(cfg)
+        # Every worker process registers the SWA-oblivious L2 tier (bench/swa_oblivious.py) at start,
+        # so the variant that asks for it (swa_backup="all") finds it; the others never use it.
+        launch.start_local_ray(num_cpus=cfg.ray.num_cpus, namespace=cfg.ray.namespace,
+                               runtime_env={"worker_process_setup_hook": SETUP_HOOK})
         handles = launch.deploy(cfg)
         startup = time.perf_counter() - t_start
         _warm_up(handles["url"])

@@ -127,7 +127,7 @@ class BareTree:
 
 
 class ThroughHiCache(BareTree):
-    """The same requests through storage/hicache.py (no L2: ``cfg=None``)."""
+    """The same requests through storage/hicache/ (HiCache with no L2: ``cfg=None``)."""
 
     name = "hicache"
 

@@ -48,7 +48,8 @@ class HiCacheConfig:
     ``swa_backup``: ``last_window`` (SWA-aware: the host keeps each sequence's last window of the
     sliding layers) or ``all`` (SWA-oblivious, for comparisons: host memory is taken for the sliding
     layers of every backed-up token, as a host pool that treats every layer alike would; the SWA pool
-    then has ``host_pages`` pages).
+    then has ``host_pages`` pages). ``all`` is a bench baseline, not a serving mode: its L2 tier lives in
+    bench/swa_oblivious.py, which registers it on import (a cache built without it refuses the mode).
     """
 
     host_pages: int = 4096

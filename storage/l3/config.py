@@ -140,7 +140,7 @@ class L3Config:
     fsync: bool = False               # a cache: a page lost to a crash is a miss, the checksum catches torn ones
     rescan_interval_s: float = 10.0   # how stale a file store's view of other processes' writes may get
     evict: bool = True                # False: another process (the StorageActor) evicts; a set past the cap fails
-    # When a request whose prefix continues in L3 may start (storage/hicache_prefetch.py): best_effort at
+    # When a request whose prefix continues in L3 may start (storage/hicache/prefetch.py): best_effort at
     # the next schedule with what has arrived, wait_complete once everything has, timeout when everything
     # has or ``prefetch_timeout_base + prefetch_timeout_per_ki_token * tokens / 1024`` seconds have passed.
     prefetch_policy: str = "timeout"

@@ -13,7 +13,7 @@ import torch
 from engine import Engine, SamplingParams
 from engine.request import Status
 from storage.config import HiCacheConfig
-from storage.hicache_prefetch import prefetch_ready, usable_end
+from storage.hicache.prefetch import find_cuts, prefetch_ready, usable_end
 from storage.l3 import L3Config, l3_key
 from storage.l3.base import key_digest
 from storage.l3.file import FileStore
@@ -101,11 +101,29 @@ def test_policy_decisions():
 
 
 def test_usable_prefix_needs_the_last_window():
-    assert usable_end(4, 10, 6, True, 3) == 10        # all arrived, window too
-    assert usable_end(4, 10, 5, True, 3) == 4         # a full page missing: its window was never fetched
-    assert usable_end(4, 10, 6, False, 3) == 4        # the window failed
-    assert usable_end(4, 10, 3, False, 0) == 7        # no SWA: the arrived prefix
-    assert usable_end(4, 4, 0, False, 3) == 4
+    assert usable_end(4, 10, 6, [10], 3) == 10        # all arrived, window too
+    assert usable_end(4, 10, 5, [10], 3) == 4         # a full page missing: its window is not usable
+    assert usable_end(4, 10, 6, [], 3) == 4           # the window failed
+    assert usable_end(4, 10, 3, [], 0) == 7           # no SWA: the arrived prefix
+    assert usable_end(4, 4, 0, [], 3) == 4
+    # Partial on a hybrid model: the longest arrived prefix whose own last window arrived.
+    assert usable_end(4, 10, 5, [7, 10], 3) == 7
+    assert usable_end(4, 10, 2, [7, 10], 3) == 4      # page 6 not there yet: 7 is not usable either
+    assert usable_end(4, 10, 6, [7], 3) == 7          # the final window failed, an earlier one arrived
+
+
+def test_cuts_are_the_points_whose_window_the_store_holds():
+    held = {2, 3, 4, 8, 9, 10, 11}                    # SWA pages in L3: the windows of earlier sequences
+
+    def exists(lo, hi):
+        n = 0
+        while lo + n < hi and lo + n in held:
+            n += 1
+        return n
+    assert find_cuts(exists, 1, 12, 3) == [5, 11, 12]
+    assert find_cuts(exists, 5, 12, 3) == [11, 12]
+    assert find_cuts(exists, 0, 8, 3) == [5]
+    assert find_cuts(exists, 0, 3, 3) == []           # [0, 3) lacks pages 0 and 1
 
 
 def test_config_validation():
@@ -138,7 +156,7 @@ def test_best_effort_takes_what_arrived(written, l3dir, ref):
     b = _engine(l3dir, prefetch_policy="best_effort")
     got = b.generate([turn2], SP)[0]
     numerics.assert_same_output(got, want, ref.model_config)
-    # Hybrid model: the prefix is usable only where its last window arrived, so all or nothing.
+    # Hybrid model: usable only up to a point whose last window arrived; L3 holds one (the prompt's): all or nothing.
     assert got.cached_tokens_by_tier["L3"] in (0, PS * (len(prompt) // PS))
     _done(b)
 
@@ -292,4 +310,85 @@ def test_prefetch_starts_while_queued_behind_others(written, l3dir, ref):
     out = b.pop_finished(r)
     numerics.assert_same_output(out, want, ref.model_config)
     assert out.cached_tokens_by_tier["L3"] == PS * (len(prompt) // PS)
+    _done(b)
+
+
+class HeldFileStore(FileStore):
+    """The real file store, with reads of the ``held`` keys kept waiting until the test opens the gate;
+    ``blocked`` tells the test that the reader reached them (everything before has arrived)."""
+
+    def __init__(self, cfg, held: set[str], gate: threading.Event, blocked: threading.Event) -> None:
+        super().__init__(cfg)
+        self.held, self.gate, self.blocked = held, gate, blocked
+
+    def _get(self, keys, pages):
+        if self.held.intersection(keys):
+            self.blocked.set()
+            self.gate.wait(120)
+        return super()._get(keys, pages)
+
+
+@pytest.fixture(scope="module")
+def two_sequences(tmp_path_factory, ref):
+    """Engine A served a 20-page prompt, then a longer second turn: L3 holds the last window of each
+    (SWA pages 16..19 and the second turn's). The third turn, and its tokens."""
+    root = tmp_path_factory.mktemp("l3two")
+    a = _engine(root)
+    g = torch.Generator().manual_seed(5)
+    p1 = torch.randint(0, 256, (20 * PS,), generator=g).tolist()
+    p2 = p1 + a.generate([p1], SP)[0].token_ids + torch.randint(0, 256, (6 * PS,), generator=g).tolist()
+    turn3 = p2 + a.generate([p2], SP)[0].token_ids + [9] * 10
+    a.cache.poll(block=True)
+    a.close()
+    return root, turn3, ref.generate([turn3], numerics.with_logits(SP))[0]
+
+
+@pytest.mark.numerics
+def test_partial_prefetch_takes_the_longest_prefix_whose_window_arrived(two_sequences, tmp_path, ref):
+    """Hybrid model, slow store: the reads past page 20 hang, the timeout passes, and the request takes
+    the first 20 pages from L3 -- their own last window arrived -- instead of nothing."""
+    shutil.copytree(two_sequences[0], tmp_path / "l3")
+    _, turn3, want = two_sequences
+    b = _engine(tmp_path / "l3", prefetch_policy="timeout", prefetch_timeout_base=600.0, prefetch_batch_pages=4)
+    keys = b.cache.tree.page_keys(turn3)
+    tier = b.cache.l3
+    assert tier.store.batch_exists(tier.keys(keys[16:20], "swa")) == 4    # the first sequence's window
+    gate, blocked = threading.Event(), threading.Event()
+    tier.store.close()
+    tier.store = HeldFileStore(tier.store.cfg, set(tier.keys(keys[20:], "full")), gate, blocked)
+    clock = [0.0]
+    b.hooks.wall_clock = lambda: clock[0]
+    r = b.add_request(turn3, SP)
+    for _ in range(10_000):
+        if blocked.wait(0.001):
+            break
+        b.step()
+    assert blocked.is_set() and b.requests[r].status is Status.WAITING
+    clock[0] = 1e9                                        # the deadline passes with pages 0..19 arrived
+    while b.requests[r].status is not Status.FINISHED:
+        b.step()
+    out = b.pop_finished(r)
+    gate.set()
+    numerics.assert_same_output(out, want, ref.model_config)
+    assert out.cached_tokens_by_tier == {"L1": 0, "L2": 0, "L3": 20 * PS}
+    _done(b)
+
+
+@pytest.mark.numerics
+def test_corrupt_page_past_a_window_keeps_the_prefix_before_it(two_sequences, tmp_path, ref):
+    """A corrupt full page 22 ends the reads; the 20 pages before it have their window: they are used."""
+    shutil.copytree(two_sequences[0], tmp_path / "l3")
+    _, turn3, want = two_sequences
+    b = _engine(tmp_path / "l3", prefetch_batch_pages=4)
+    name = key_digest(l3_key(b.model_id(), "full", b.cache.tree.page_keys(turn3)[22])).hex()
+    path = os.path.join(tmp_path / "l3", "v1", name[:2], name[2:])
+    with open(path, "r+b") as fh:
+        fh.seek(os.path.getsize(path) - 7)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0x40]))
+    got = b.generate([turn3], SP)[0]
+    numerics.assert_same_output(got, want, ref.model_config)
+    assert got.cached_tokens_by_tier == {"L1": 0, "L2": 0, "L3": 20 * PS}
+    assert b.cache.l3.store.stats()["corrupt"] == 1
     _done(b)

@@ -4,8 +4,10 @@ more host memory, by the factor bench/multiturn_offline's bound predicts, and fr
 import pytest
 import torch
 
+import bench.swa_oblivious  # noqa: F401  (registers the SWA-oblivious L2 tier, swa_backup="all")
 from engine import Engine, SamplingParams
 from storage.config import HiCacheConfig
+from storage.hicache import HOST_TIERS
 
 SP = SamplingParams(max_new_tokens=8, ignore_eos=True)
 
@@ -57,3 +59,10 @@ def test_swa_backup_is_validated():
     with pytest.raises(ValueError, match="swa_backup"):
         HiCacheConfig(swa_backup="some")
     assert HiCacheConfig(host_pages=100, swa_backup="all").host_swa_pages == 100
+
+
+def test_the_oblivious_baseline_lives_in_bench(monkeypatch):
+    monkeypatch.delitem(HOST_TIERS, "all")   # as in a serving process, which never imports bench/
+    with pytest.raises(ValueError, match="bench/swa_oblivious.py"):
+        Engine.from_pretrained("strata-tiny", page_size=16, num_pages=32, enable_prefix_cache=True,
+                               hicache=HiCacheConfig(host_pages=16, swa_backup="all"))

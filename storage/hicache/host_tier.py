@@ -1,0 +1,170 @@
+"""L2, the host tier: backs L1 pages up into host memory (L1 -> L2) and makes room in it.
+
+It is given what it works with -- the tree, the L1 pools it copies from, the host pools, the copier
+and the stats it counts into -- and knows nothing of the cache above it or of L3: whoever asks for a
+backup says what follows it (``then``, e.g. the write to L3 once the L2 copy is complete).
+
+SWA components only ever hold a sequence's last window (the engine frees the rest as it slides), so a
+backup moves only that window. The SWA-oblivious baseline of the benches (``swa_backup="all"``) is a
+subclass in bench/swa_oblivious.py, registered in ``HOST_TIERS`` by that module; the hooks it overrides
+(``reserved``, ``released``, ``owners``, ``check_extra``) do nothing here.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import kernels
+from storage.config import HiCacheConfig
+from storage.copier import Copier, Job, LayerFuture
+from storage.hicache.tier import free_pages
+from storage.host import HostPool, HostPools
+from storage.pools import COMPONENTS, FULL, SWA, KVPools
+from storage.radix import RadixTree
+from storage.radix_node import L2, Node
+
+Then = Optional[Callable[[Node, str], None]]
+
+
+class HostTier:
+    present = True
+
+    def __init__(self, tree: RadixTree, l1: KVPools, cfg: HiCacheConfig, copier: Copier,
+                 components: tuple[str, ...], stats: dict) -> None:
+        self.tree, self.l1, self.cfg, self.copier = tree, l1, cfg, copier
+        self.pools = HostPools(l1, cfg)
+        self.components = components
+        self.stats = stats
+        self._backing_up: dict[tuple[int, str], list[int]] = {}  # (node id, component) -> L2 pages
+
+    def pool(self, c: str) -> HostPool:
+        return self.pools.pool(c)
+
+    def worth_loading(self, num_pages: int) -> bool:
+        """Whether an L2 run of ``num_pages`` is loaded back rather than recomputed."""
+        return num_pages >= self.cfg.load_back_threshold_pages
+
+    # ---- L1 -> L2 --------------------------------------------------------------------------------
+    def write(self, node: Node, c: str, sync: bool = False, then: Then = None) -> bool:
+        """Copy ``node``'s L1 data of ``c`` into fresh L2 pages. In the background unless ``sync``
+        (write-back: the L1 pages are about to be freed); the node stays locked meanwhile. ``then(x, c)``
+        runs for every piece of the node that got its L2 copy."""
+        if node.l1[c] is None or node.l2[c] is not None:
+            return node.l2[c] is not None
+        if (node.id, c) in self._backing_up:
+            if not sync:
+                return True
+            self.copier.poll(block=True)
+            return node.l2[c] is not None
+        host = self.pool(c)
+        if not self.room(c, node.num_pages):
+            return False
+        dst = host.allocator.alloc(node.num_pages)
+        self.reserved(node, c, dst)
+        src = list(node.l1[c])
+        l1 = self.l1.pool(c).flat()
+        self.stats["pages"]["L1->L2"] += node.num_pages
+        self.stats["bytes"]["L1->L2"] += node.num_pages * host.page_bytes
+        if sync:
+            kernels.l1_to_l2(l1, host.data, host.layout, src, dst, check=False)
+            self.tree.set_l2(node, c, dst)
+            if then is not None:
+                then(node, c)
+            return True
+        locks = (FULL, SWA) if c == SWA else (FULL,)
+        for lc in locks:
+            self.tree.lock(node, lc)
+        self._backing_up[(node.id, c)] = dst
+
+        def run(fut: LayerFuture) -> None:
+            kernels.l1_to_l2(l1, host.data, host.layout, src, dst, check=False)
+
+        first = node.depth  # a match may split the node meanwhile: the object keeps the lower part
+
+        def done() -> None:
+            del self._backing_up[(node.id, c)]
+            for lc in reversed(locks):
+                self.tree.unlock(node, lc)
+            x, unused = node, list(dst)
+            while fut.error is None and x is not None and x.parent is not None and not x.removed \
+                    and x.depth >= first:
+                part = dst[x.depth - first:x.end - first]
+                if x.l2[c] is None and x.l1[c] is not None:
+                    self.tree.set_l2(x, c, part)
+                    taken = set(part)
+                    unused = [p for p in unused if p not in taken]
+                    if then is not None:
+                        then(x, c)
+                x = x.parent
+            self.free(c, unused)
+
+        fut = LayerFuture({})
+        self.copier.submit(Job(run, fut, done, tag=f"backup {c}"))
+        return True
+
+    # ---- room --------------------------------------------------------------------------------------
+    def room(self, c: str, n: int) -> bool:
+        """Whether ``n`` host pages of ``c`` can be allocated, evicting L2 data to make room."""
+        host = self.pool(c)
+        if not host.allocator.can_alloc(n):
+            freed = self.tree.evict(c, L2, n - host.allocator.num_free)
+            self.stats["evicted_pages"]["L2"] += len(freed[c, L2])
+            free_pages(freed, self.l1, self)
+        return host.allocator.can_alloc(n)
+
+    def alloc(self, c: str, n: int) -> Optional[list[int]]:
+        """``n`` host pages of ``c`` (evicting L2 data for them), or None when there is no room."""
+        return self.pool(c).allocator.alloc(n) if n and self.room(c, n) else ([] if not n else None)
+
+    def free(self, c: str, pages: list[int]) -> None:
+        if pages:
+            self.pool(c).allocator.free(pages)
+            self.released(c, pages)
+
+    # ---- hooks of a baseline (bench/swa_oblivious.py) -------------------------------------------------
+    def reserved(self, node: Node, c: str, dst: list[int]) -> None:
+        """``dst`` were just taken for ``node``'s L2 copy of ``c``."""
+
+    def released(self, c: str, pages: list[int]) -> None:
+        """L2 pages of ``c`` went back to the pool."""
+
+    def check_extra(self) -> None:
+        """Invariants of what a subclass holds beside the tree."""
+
+    # ---- the Tier interface ----------------------------------------------------------------------------
+    def poll(self, block: bool = False) -> None:
+        self.copier.poll(block)
+
+    def busy(self) -> bool:
+        return self.copier.num_pending > 0
+
+    def owners(self, c: str) -> dict[str, list[int]]:
+        return {"backups in flight": self.in_flight(c)}
+
+    def in_flight(self, c: str) -> list[int]:
+        return [p for (_, pc), pages in self._backing_up.items() if pc == c for p in pages]
+
+    def check_integrity(self, others: Callable[[str], dict[str, list[int]]]) -> None:
+        """Every host page is owned by exactly one of: free list, tree, this tier, ``others(c)``."""
+        for c in COMPONENTS:
+            owners = {"tree": self.tree.all_pages(c, L2), **self.owners(c), **others(c)}
+            self.pool(c).allocator.check_integrity(owners)
+        self.check_extra()
+
+    def usage(self) -> dict:
+        return {"L2": {c: self.pool(c).allocator.num_used for c in COMPONENTS},
+                "L2_bytes": self.pools.bytes_used()}
+
+    def close(self) -> None:
+        self.copier.close()
+
+
+HOST_TIERS: dict[str, type[HostTier]] = {"last_window": HostTier}
+"""``HiCacheConfig.swa_backup`` -> the L2 tier that implements it."""
+
+
+def host_tier_class(swa_backup: str) -> type[HostTier]:
+    cls = HOST_TIERS.get(swa_backup)
+    if cls is None:
+        raise ValueError(f"swa_backup={swa_backup!r} has no L2 tier here: the SWA-oblivious baseline ('all') "
+                         "lives in bench/swa_oblivious.py, import it first (it registers itself)")
+    return cls

@@ -1,0 +1,75 @@
+"""Write policies (L1 -> L2 -> L3) as strategies, one chosen from ``HiCacheConfig.write_policy``:
+
+* ``write_through``: every node is backed up to L2 when it enters the tree;
+* ``write_through_selective``: once its hit count reaches ``write_through_threshold``;
+* ``write_back``: only when L1 evicts it (synchronously: its L1 pages are about to go).
+
+L2 -> L3 follows once the L2 copy is complete, whatever the policy. ``NoWrite`` is the policy of a
+cache without L2.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from storage.config import HiCacheConfig
+from storage.radix_node import L1, Node
+
+
+class WritePolicy:
+    """Backs nodes up from L1 into ``l2``, and from there into ``l3``; the hooks decide when."""
+
+    on_evict = None   # RadixTree.evict's callback, or None
+
+    def __init__(self, l2, l3, components: tuple[str, ...], threshold: int = 0) -> None:
+        self.l2, self.l3, self.components, self.threshold = l2, l3, components, threshold
+
+    def backup(self, node: Node, c: str, sync: bool = False) -> bool:
+        return self.l2.write(node, c, sync, then=self.l3.write)
+
+    def backup_all(self, nodes: Iterable[Node]) -> None:
+        for nd in nodes:
+            for c in self.components:
+                self.backup(nd, c)
+
+    def inserted(self, node: Node) -> None:
+        """The path from the root to ``node`` just entered the tree or was extended."""
+
+    def hit(self, nodes: list[Node]) -> None:
+        """A match used ``nodes``; their hit counts are up to date."""
+
+
+class WriteThrough(WritePolicy):
+    def inserted(self, node: Node) -> None:
+        self.backup_all(node.path())
+
+
+class WriteThroughSelective(WritePolicy):
+    def hit(self, nodes: list[Node]) -> None:
+        self.backup_all(nd for nd in nodes if nd.hit_count >= self.threshold)
+
+
+class WriteBack(WritePolicy):
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.on_evict = self._evicting
+
+    def _evicting(self, node: Node, c: str, tier: str) -> None:
+        if tier == L1:
+            self.backup(node, c, sync=True)
+
+
+class NoWrite(WritePolicy):
+    """No L2: nothing is ever backed up."""
+
+    def backup(self, node: Node, c: str, sync: bool = False) -> bool:
+        return False
+
+
+WRITE_STRATEGIES = {"write_through": WriteThrough, "write_through_selective": WriteThroughSelective,
+                    "write_back": WriteBack}
+
+
+def write_policy(cfg: HiCacheConfig | None, l2, l3, components: tuple[str, ...]) -> WritePolicy:
+    if cfg is None:
+        return NoWrite(l2, l3, components)
+    return WRITE_STRATEGIES[cfg.write_policy](l2, l3, components, cfg.write_through_threshold)
