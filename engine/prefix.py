@@ -1,4 +1,4 @@
-"""Glue between the scheduler and the prefix cache (storage/hicache.py): a queued request's prefix is
+"""Glue between the scheduler and the prefix cache (storage/hicache/): a queued request's prefix is
 prefetched from slow tiers and matched at admission (its pages are then borrowed through the
 KVManager, engine/kv_manager.py, which also hands them to the cache at commit and eviction)."""
 from __future__ import annotations
@@ -29,7 +29,7 @@ class PrefixCacheHooks(SchedulerHooks):
 
     def ready(self, req: Request) -> bool:
         """A request whose prefix continues in L3 waits while the pages are prefetched into L2, until
-        the prefetch policy lets it go (storage/hicache_prefetch.py)."""
+        the prefetch policy lets it go (storage/hicache/prefetch.py)."""
         if self.cache.l3 is None or req.hit is not None or req.num_computed:
             return True
         if req.prefetch is None:

@@ -50,6 +50,9 @@ class HiCache:
         self.has_swa = bool(pools.swa.layer_ids) and geom.has_swa
         wp = geom.window_pages if self.has_swa else 0
         self.tree = RadixTree(self.page_size, wp, seed=seed)
+        self._components = (FULL, SWA) if self.has_swa else (FULL,)
+        # match_prefix(lock=True) takes SWA iff the tree has a window: the same locks as _lock.
+        self._fused_lock = bool(wp) == self.has_swa
         self.stats = {"hit_tokens": {"L1": 0, "L2": 0, "L3": 0}, "lookup_tokens": 0,
                       "bytes": {"L1->L2": 0, "L2->L1": 0}, "pages": {"L1->L2": 0, "L2->L1": 0},
                       "evicted_pages": {"L1": 0, "L2": 0}, "hits_given_up": 0,
@@ -104,14 +107,22 @@ class HiCache:
             self._drop_prefetch(prefetch)
             return PrefixHit()
         keys = self.tree.sequence_keys(tokens, n)
-        res = self.tree.match_prefix(keys, now=now)
+        # The common hit (nothing only in L3) is locked by the match itself, in the same pass.
+        res = self.tree.match_prefix(keys, now=now, lock=self._fused_lock)
+        locked = self._fused_lock
+        if locked and (res.full_l3 or res.swa_l3 or res.num_pages == 0):
+            self._unlock(res.node, self._components)
+            locked = False
         if res.full_l3 or res.swa_l3:
             res = self._match_l12(keys, res, now)
         if res.num_pages == 0:
             return self._count_hit(self._take_prefetch(prefetch, PrefixHit(keys=keys), now))
         # Fields given here skip the dataclass's default factories (a hit is built for every request).
         hit = PrefixHit(res.node, res.num_pages, res.l1_full, res.l1_swa, NO_TIERS, (), [], keys)
-        self._lock(hit)
+        if locked:
+            hit.locked = self._components
+        else:
+            self._lock(hit)
         from_l2 = res.full_l2
         if from_l2 and not self._l2.worth_loading(from_l2):
             self._drop_prefetch(prefetch)
@@ -251,13 +262,16 @@ class HiCache:
             self.tree.lock(hit.node, SWA)
             hit.locked = (FULL, SWA)
 
+    def _unlock(self, node, components) -> None:
+        for c in reversed(components):
+            self.tree.unlock(node, c)
+
     def release(self, hit: PrefixHit) -> None:
         """Unpin a hit (the request finished, was aborted or preempted)."""
         if hit.unread:
             self.stats["loadback"]["wasted"] += hit.unread
             hit.unread = 0
-        for c in reversed(hit.locked):
-            self.tree.unlock(hit.node, c)
+        self._unlock(hit.node, hit.locked)
         hit.locked = ()
 
     def _give_up(self, hit: PrefixHit) -> PrefixHit:
