@@ -15,6 +15,9 @@ worker's node (hard node affinity): the rendezvous store listens on 127.0.0.1.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
+import threading
 import time
 
 import ray
@@ -25,6 +28,8 @@ from actors.ep_group import (EPRankActor, check_placement, group_reading, join_g
                              rebalance_report)
 from engine.config import EngineConfig
 
+log = logging.getLogger("strata.ep")
+
 
 class EPHost:
     """Rank 0 of a group of ``world`` in this process, and the handles of the others. Build it in the
@@ -34,7 +39,7 @@ class EPHost:
                  timeout_s: float = 120.0, poll_s: float = 0.002) -> None:
         if world < 2:
             raise ValueError(f"an EP group needs ep_size >= 2, got {world}")
-        self.world, self.poll_s = world, poll_s
+        self.cfg, self.world, self.poll_s = cfg, world, poll_s
         node = ray.get_runtime_context().get_node_id()
         store, port = open_store(world)
         self.peers = [EPRankActor.options(
@@ -52,6 +57,23 @@ class EPHost:
         for p in self.peers:
             p.serve.remote()
         self._apply = asyncio.Lock()
+        # Idle followers wait in a broadcast that times out after timeout_s: keep them fed.
+        self._idle_s = timeout_s / 4
+        threading.Thread(target=self._keepalive, name="strata-ep-keepalive", daemon=True).start()
+
+    def _keepalive(self) -> None:
+        while True:
+            time.sleep(self._idle_s / 2)
+            try:
+                self.ep.keepalive(self._idle_s)
+            except Exception as e:  # noqa: BLE001 - a broken group fails the next step loudly
+                log.warning("EP keepalive failed: %r", e)
+                return
+
+    def engine_config(self, cfg: EngineConfig) -> EngineConfig:
+        """``cfg`` (the running engine's) with the group's own expert dispatch choice (rank 0's engine runs
+        the torch path locally and dispatches across the ranks itself)."""
+        return dataclasses.replace(cfg, eplb=self.cfg.eplb)
 
     @property
     def engine(self):

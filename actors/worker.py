@@ -264,7 +264,8 @@ class WorkerActor:
     async def settings(self) -> tuple:
         """(EngineConfig, TransferConfig) this worker runs with: what a worker added by ``strata scale``
         is created with (the L3 connection info included)."""
-        return self.core.engine.cfg, self.tcfg
+        cfg = self.core.engine.cfg
+        return (self.ep.engine_config(cfg) if self.ep is not None else cfg), self.tcfg
 
     async def drained(self) -> dict:
         """Scale-in: whether nothing runs or waits here and no lease is held; once so, the cache's
