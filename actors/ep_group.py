@@ -131,6 +131,10 @@ class EPRankActor:
             after = [self.ep.stats()] + ray.get([p.stats.remote() for p in self.peers])
             return rebalance_report(before, after, pause, t)
 
+    def keepalive(self, idle_s: float) -> bool:
+        """Leader: an empty step message if nothing was sent for ``idle_s`` (EPRank.keepalive)."""
+        return self.ep.keepalive(idle_s)
+
     def stop(self) -> None:
         self.ep.stop()
 
