@@ -16,8 +16,8 @@ import uuid
 
 import ray
 
-from engine import Engine, EngineConfig, SamplingParams
 from actors.ep_host import EPHost
+from engine import Engine, EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine, StreamItem
 from storage.transfer import Destination, TransferConfig, TransferError, make_backend
 from storage.transfer.base import Receipt
