@@ -39,7 +39,8 @@ run: sysdeps $(STAMP)
 # every ATen path; what they add is the plumbing around them, which the native run checks. The same goes
 # for the transfer tests over HTTP (test_transfer_actors.py checks the backends' tokens on every path), the
 # EPLB actor's outputs across placements (tests/unit/test_moe_slots.py on every path) and the sampling of
-# the bad-input cluster (tests/unit/test_sampler.py).
+# the bad-input cluster (tests/unit/test_sampler.py), and the EP worker served over HTTP (its group's tokens,
+# before, during and after rebalances, are checked on every ATen path by tests/ep/test_ep_group.py).
 NUMERICS_CAPS ?= avx2 default
 
 test: sysdeps $(STAMP)
@@ -50,7 +51,7 @@ test: sysdeps $(STAMP)
 			--ignore=tests/reliability/test_soak.py --ignore=tests/models/test_family_clusters.py \
 			--ignore=tests/multinode --ignore=tests/e2e --ignore=tests/transfer/test_transfer_http.py \
 			--ignore=tests/transfer/test_transfer_http_mooncake.py --ignore=tests/actors/test_eplb_actor.py \
-			--ignore=tests/reliability/test_bad_input.py \
+			--ignore=tests/reliability/test_bad_input.py --ignore=tests/ep/test_ep_cluster.py \
 			$(PYTEST_ARGS) || exit 1; \
 	done
 

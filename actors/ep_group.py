@@ -50,23 +50,11 @@ class EPRankActor:
     # ---- rendezvous ----------------------------------------------------------------------------
     def open_store(self) -> int:
         """Rank 0: the port of a fresh TCP store on 127.0.0.1."""
-        import torch.distributed as dist
-        self._store = dist.TCPStore("127.0.0.1", 0, self.world, True, wait_for_workers=False)
-        return self._store.port
+        self._store, port = open_store(self.world)
+        return port
 
     def join(self, port: int, timeout_s: float = 120.0) -> int:
-        import datetime
-
-        import torch.distributed as dist
-        from engine.ep import EPRank
-        if self.cfg.torch_threads:
-            torch.set_num_threads(self.cfg.torch_threads)
-        store = self._store or dist.TCPStore("127.0.0.1", port, self.world, False,
-                                             timeout=datetime.timedelta(seconds=timeout_s))
-        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-        moves = dist.new_group(backend="gloo")
-        self.ep = EPRank(self.cfg, self.rank, self.world, None, moves)
+        self.ep = join_group(self.cfg, self.rank, self.world, port, self._store, timeout_s)
         return self.rank
 
     def set_peers(self, peers: list) -> None:
@@ -124,20 +112,14 @@ class EPRankActor:
     def expert_load(self) -> dict:
         """The rebalancer's reading (actors/eplb.py ``observe``): the leader's logical and slot counters,
         and each rank's measured pairs [L, R] and expert compute seconds [R], all cumulative."""
-        eng = self.ep.engine
-        stats = [self.ep.stats()] + ray.get([p.stats.remote() for p in self.peers])
-        return {"logical": eng.expert_load(), **eng.expert_slots(), "steps": eng.counters["steps"],
-                "rank_counts": torch.tensor([s.pairs for s in stats], dtype=torch.int64).T.contiguous(),
-                "rank_moe_seconds": [sum(s.compute_s) for s in stats],
-                "rank_moe_cpu_seconds": [sum(s.cpu_s) for s in stats]}
+        return group_reading(self.ep, ray.get([p.stats.remote() for p in self.peers]))
 
     def apply_placement(self, phy2log, poll_s: float = 0.002) -> dict:
         """Moves the group to phy2log [L, P]: every rank stages its moves in the background (serving goes
-        on), then all switch between two steps. -> {"moved_slots", "seconds", "bytes_moved",
-        "stage_seconds", "pause_seconds"}."""
+        on), then all switch between two steps. -> RebalanceReport as a dict."""
         with self._apply_lock:
             t = time.perf_counter()
-            phy2log = torch.as_tensor(phy2log).to(torch.int64)
+            phy2log = check_placement(self.ep, phy2log)
             before = [self.ep.stats()] + ray.get([p.stats.remote() for p in self.peers])
             # Followers first (they only post sends/receives), then the leader; all run concurrently.
             refs = [p.stage.remote(phy2log) for p in self.peers]
@@ -147,13 +129,72 @@ class EPRankActor:
                 time.sleep(poll_s)
             pause = self.ep.commit()
             after = [self.ep.stats()] + ray.get([p.stats.remote() for p in self.peers])
-            r = RebalanceReport(sum(a.moved_slots - b.moved_slots for a, b in zip(after, before)),
-                                sum(a.bytes_sent - b.bytes_sent for a, b in zip(after, before)),
-                                max(a.stage_seconds for a in after), pause, time.perf_counter() - t)
-            return {**r._asdict(), "seconds": r.seconds}
+            return rebalance_report(before, after, pause, t)
+
+    def keepalive(self, idle_s: float) -> bool:
+        """Leader: an empty step message if nothing was sent for ``idle_s`` (EPRank.keepalive)."""
+        return self.ep.keepalive(idle_s)
 
     def stop(self) -> None:
         self.ep.stop()
+
+
+# ---- shared by the rank actors and a worker hosting a group (actors/ep_host.py) ----------------------
+
+def open_store(world: int):
+    """A fresh TCP store on 127.0.0.1 for ``world`` ranks (port 0: the OS picks a free one) -> (store, port)."""
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", 0, world, True, wait_for_workers=False)
+    return store, store.port
+
+
+def join_group(cfg: EngineConfig, rank: int, world: int, port: int, store=None, timeout_s: float = 120.0):
+    """This process joins the group as ``rank`` (``store``: rank 0's own, else it connects to ``port``):
+    the gloo serving group, a second gloo group for expert moves, and the rank's engine. -> EPRank."""
+    import datetime
+
+    import torch.distributed as dist
+    from engine.ep import EPRank
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    store = store or dist.TCPStore("127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    moves = dist.new_group(backend="gloo")
+    return EPRank(cfg, rank, world, None, moves)
+
+
+def group_reading(ep, peer_stats: list) -> dict:
+    """The leader's reading for the rebalancer from its EPRank ``ep`` and the followers' RankStats."""
+    eng = ep.engine
+    stats = [ep.stats()] + list(peer_stats)
+    return {"logical": eng.expert_load(), **eng.expert_slots(), "steps": eng.counters["steps"],
+            "rank_counts": torch.tensor([s.pairs for s in stats], dtype=torch.int64).T.contiguous(),
+            "rank_moe_seconds": [sum(s.compute_s) for s in stats],
+            "rank_moe_cpu_seconds": [sum(s.cpu_s) for s in stats]}
+
+
+def check_placement(ep, phy2log) -> torch.Tensor:
+    """phy2log [L, P] as int64 once it is a valid placement of the group's shape; ValueError before any
+    rank stages anything (a rank that staged would wait forever for moves the others never post)."""
+    from engine.eplb import Placement
+    phy2log = torch.as_tensor(phy2log).to(torch.int64)
+    cur = ep.placement()
+    if phy2log.shape != cur.shape:
+        raise ValueError(f"placement of shape {tuple(phy2log.shape)}, the group has {tuple(cur.shape)}")
+    E = ep.engine.model_config.num_local_experts
+    if ((phy2log < 0) | (phy2log >= E)).any():
+        raise ValueError(f"placement holds an expert id outside [0, {E})")
+    Placement.from_phy2log(phy2log, E).check()
+    return phy2log
+
+
+def rebalance_report(before: list, after: list, pause: float, t0: float) -> dict:
+    """RebalanceReport (as the rebalancer's dict) from every rank's RankStats before and after."""
+    r = RebalanceReport(sum(a.moved_slots - b.moved_slots for a, b in zip(after, before)),
+                        sum(a.bytes_sent - b.bytes_sent for a, b in zip(after, before)),
+                        max(a.stage_seconds for a in after), pause, time.perf_counter() - t0)
+    return r._asdict()
 
 
 def create_ep_group(cfg: EngineConfig, world: int, num_cpus: float = 0.25) -> list:

@@ -1,4 +1,5 @@
-"""Ray shells over one worker's AsyncEngine: prefill, decode, or colocated (both).
+"""Ray shells over one worker's AsyncEngine: prefill, decode, or colocated (both). With ``ep_size`` > 1
+a colocated worker serves through an expert-parallel group whose rank 0 it is (actors/ep_host.py).
 
 Each worker pushes its KV events and load to the router every ``report_interval`` seconds; the first
 report after a (re)start says ``fresh`` so the router forgets what a previous incarnation held.
@@ -15,6 +16,7 @@ import uuid
 
 import ray
 
+from actors.ep_host import EPHost
 from engine import Engine, EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine, StreamItem
 from storage.transfer import Destination, TransferConfig, TransferError, make_backend
@@ -29,12 +31,17 @@ log = logging.getLogger("strata.worker")
 class WorkerActor:
     def __init__(self, worker_id: str, role: str, engine_cfg: EngineConfig, router=None,
                  report_interval: float = 0.05, transfer_cfg: TransferConfig | None = None, storage=None,
-                 l3_refresh_s: float = 2.0) -> None:
+                 l3_refresh_s: float = 2.0, ep_size: int = 1, ep_num_cpus: float = 0.25,
+                 ep_num_gpus: float = 0.0) -> None:
         if role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"role must be prefill, decode or colocated, got {role!r}")
+        if ep_size > 1 and role != "colocated":
+            raise ValueError(f"ep_size {ep_size}: only colocated workers serve through an EP group")
         self.worker_id, self.role = worker_id, role
         engine_cfg, transfer_cfg = resolve_hosts(engine_cfg, transfer_cfg)
-        self.core = AsyncEngine(Engine(engine_cfg), worker_id)
+        # ep_size > 1: this process is rank 0 of the group, and the engine it serves is that rank's.
+        self.ep = EPHost(engine_cfg, ep_size, ep_num_cpus, ep_num_gpus) if ep_size > 1 else None
+        self.core = AsyncEngine(self.ep.engine if self.ep is not None else Engine(engine_cfg), worker_id)
         self.router = router
         self.report_interval = report_interval
         # A thread, started here, so a restarted actor reports again without anyone calling it.
@@ -257,7 +264,8 @@ class WorkerActor:
     async def settings(self) -> tuple:
         """(EngineConfig, TransferConfig) this worker runs with: what a worker added by ``strata scale``
         is created with (the L3 connection info included)."""
-        return self.core.engine.cfg, self.tcfg
+        cfg = self.core.engine.cfg
+        return (self.ep.engine_config(cfg) if self.ep is not None else cfg), self.tcfg
 
     async def drained(self) -> dict:
         """Scale-in: whether nothing runs or waits here and no lease is held; once so, the cache's
@@ -278,14 +286,28 @@ class WorkerActor:
     async def expert_load(self) -> dict | None:
         """Cumulative expert counters, read on the engine thread between steps (None without slots):
         {"logical": [L, E], "slot_counts": [L, P], "phy2log": [L, P], "num_ranks": R, "steps": n}."""
+        if self.ep is not None:    # and what each rank of the group measured (actors/ep_host.py)
+            return await self.ep.expert_load(self.core)
+
         def read(e: Engine) -> dict | None:
             slots = e.expert_slots()
             return None if slots is None else {"logical": e.expert_load(), **slots, "steps": e.counters["steps"]}
         return await self.core.call(read)
 
     async def apply_placement(self, phy2log) -> dict:
-        """Swaps the expert weights to phy2log [L, P] between two steps: {"moved_slots", "seconds"}."""
+        """Swaps the expert weights to phy2log [L, P] between two steps: {"moved_slots", "seconds"} (an
+        EP group: staged on every rank while serving, then committed on all between two steps)."""
+        if self.ep is not None:
+            return await self.ep.apply_placement(self.core, phy2log)
         return await self.core.call(lambda e: e.apply_placement(phy2log))
+
+    async def ep_ranks(self) -> list:
+        """The rank actors 1..R-1 of this worker's EP group ([] without one)."""
+        return list(self.ep.peers) if self.ep is not None else []
+
+    async def ep_placements(self) -> list:
+        """phy2log [L, P] in force on each rank of the group, leader first ([] without one)."""
+        return await self.ep.placements() if self.ep is not None else []
 
     async def check_integrity(self) -> bool:
         """Check the engine's invariants (pools, radix tree, tiers) on the engine thread; raises

@@ -32,8 +32,13 @@ class WorkersConfig:
     # Each worker also asks Ray for 1 unit of the custom resource "strata_<role>", so prefill and decode
     # workers land on nodes that declare it (the prefill/decode worker groups of manifests/).
     role_resources: bool = False
+    # > 1: each (colocated) worker serves through an expert-parallel group of ep_size rank processes on
+    # its node (actors/ep_host.py), each asking num_cpus / num_gpus; engine.eplb.num_ranks must match.
+    ep_size: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.ep_size, bool) or not isinstance(self.ep_size, int) or self.ep_size < 1:
+            raise ValueError(f"workers.ep_size must be an int >= 1, got {self.ep_size!r}")
         if not isinstance(self.role_resources, bool):
             raise ValueError(f"workers.role_resources must be a bool, got {self.role_resources!r}")
         for name in ("prefill", "decode", "colocated"):
@@ -106,6 +111,36 @@ class ClusterConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)   # the L3 StorageActor (actors/storage.py)
     placement: PlacementConfig = field(default_factory=PlacementConfig)   # which node runs what (cluster/placement.py)
+
+    def __post_init__(self) -> None:
+        check_ep(self.workers, self.engine)
+
+    def check_model(self, num_experts: int) -> None:
+        """What needs the checkpoint (launch calls it before creating any actor): an EP group shards
+        the experts of an MoE model, ep_size ranks x (experts + redundant) / ep_size slots each."""
+        n = self.workers.ep_size
+        if n > 1 and num_experts == 0:
+            raise ValueError(f"workers.ep_size is {n} but model {self.engine.model!r} has no MoE layers")
+        if n > 1 and num_experts % n:
+            raise ValueError(f"workers.ep_size ({n}) must divide the model's {num_experts} experts "
+                             f"(each rank holds (experts + num_redundant_experts) / ep_size slots)")
+
+
+def check_ep(w: WorkersConfig, e: EngineConfig) -> None:
+    """workers.ep_size against the engine: what an EP group cannot serve is refused here, not at the
+    first request."""
+    n = w.ep_size
+    if n == 1:
+        return
+    if e.eplb is None or e.eplb.num_ranks != n:
+        got = "no engine.eplb" if e.eplb is None else f"engine.eplb.num_ranks {e.eplb.num_ranks}"
+        raise ValueError(f"workers.ep_size ({n}) needs engine.eplb with num_ranks: {n} (got {got})")
+    if e.hicache is not None:
+        raise ValueError(f"workers.ep_size ({n}): set engine.hicache to null (an L2 load-back would fill only "
+                         "the leader's KV pools; the other ranks hold the same KV only when they computed it)")
+    if w.prefill or w.decode:
+        raise ValueError(f"workers.ep_size ({n}) needs colocated workers (prefill: 0, decode: 0): KV imported "
+                         "from a prefill worker would land only in the leader's pools")
 
 
 def _build(cls, data: Any, path: str):

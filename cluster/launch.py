@@ -135,6 +135,7 @@ def start_actors(cfg: ClusterConfig, detached: bool = False, ready_timeout: floa
     on every redeploy of the same cluster."""
     path = resolve_model_path(cfg.engine.model)
     mc = ModelConfig.from_dir(path)
+    cfg.check_model(mc.num_local_experts if mc.moe_layer_ids else 0)
     geometry = KVGeometry.from_layers(mc.layer_types, mc.sliding_window, cfg.engine.page_size)
     engine_cfg = dataclasses.replace(cfg.engine, model=str(path)).resolved(mc.torch_dtype)
     life = {"lifetime": "detached"} if detached else {}

@@ -54,7 +54,8 @@ def spawn(cfg, wid: str, role: str, engine_cfg, router, storage, workers_on: dic
     return WorkerActor.options(
         name=actor_name(wid), namespace=cfg.ray.namespace, get_if_exists=get_if_exists, num_cpus=w.num_cpus,
         num_gpus=w.num_gpus, resources=need(cfg, role), scheduling_strategy=affinity(node, pc.strategy), **life,
-    ).remote(wid, role, engine_cfg, router, transfer_cfg=cfg.transfer, storage=storage)
+    ).remote(wid, role, engine_cfg, router, transfer_cfg=cfg.transfer, storage=storage, ep_size=w.ep_size,
+             ep_num_cpus=w.num_cpus, ep_num_gpus=w.num_gpus)
 
 
 def placed_on(workers: dict, timeout: float = 60.0) -> dict[str, str]:

@@ -96,6 +96,7 @@ class EPRank:
                                                   moe.slots.num_physical, moe.experts.gate_up_proj.shape[1])
         self.lock = threading.Lock()      # one step or control message at a time on the serving group
         self.steps = 0
+        self.last_send = time.monotonic()
         self.stager: SlotStager | None = None
         self.moved_slots = self.bytes_sent = self.bytes_received = 0
         self.stage_seconds = self.last_pause = 0.0
@@ -106,6 +107,17 @@ class EPRank:
     # ---- lockstep ------------------------------------------------------------------------------
     def _send(self, msg: StepMsg) -> None:
         self.dist.broadcast_object_list([msg], src=self._leader, group=self.group)
+        self.last_send = time.monotonic()
+
+    def keepalive(self, idle_s: float) -> bool:
+        """Leader: an empty message when nothing was sent for ``idle_s`` seconds (the followers wait in
+        a collective, which fails after the group's timeout: an idle server must not end its group).
+        Returns whether one was sent."""
+        with self.lock:
+            if time.monotonic() - self.last_send < idle_s:
+                return False
+            self._send(StepMsg(None, None))
+            return True
 
     def serve(self) -> int:
         """Followers: run the leader's steps until it stops the group; returns the steps run."""

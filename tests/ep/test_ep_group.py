@@ -112,3 +112,12 @@ def test_rebalance_during_generation_keeps_tokens(groups, reference, world):
     back = identity_placement(new.shape[0], 8, world, 1).phy2log
     ray.get(leader.apply_placement.remote(back), timeout=60)
     reference(PROMPTS, N_NEW, ray.get(leader.generate.remote(PROMPTS, greedy(N_NEW))), f"EP={world} back")
+
+
+@pytest.mark.numerics
+def test_keepalive_messages_leave_the_group_serving(groups, reference):
+    import ray
+    leader = groups[2][0]
+    # An idle leader's empty message (what keeps followers out of the gloo timeout) is taken and skipped.
+    assert ray.get(leader.keepalive.remote(0.0)) and not ray.get(leader.keepalive.remote(3600.0))
+    reference(PROMPTS, N_NEW, ray.get(leader.generate.remote(PROMPTS, greedy(N_NEW))), "EP=2 after a keepalive")
