@@ -43,17 +43,25 @@ run: sysdeps $(STAMP)
 # before, during and after rebalances, are checked on every ATen path by tests/ep/test_ep_group.py).
 NUMERICS_CAPS ?= avx2 default
 
+# The reruns under each capability run side by side (each in its own process, its Ray clusters on their
+# own free ports and temp dirs): they are mostly single-threaded and wait on process starts, so the two
+# together take little more than one. Each one's output is printed whole once both are done.
+NUMERICS_IGNORE := --ignore=tests/reliability/test_soak.py --ignore=tests/models/test_family_clusters.py \
+	--ignore=tests/multinode --ignore=tests/e2e --ignore=tests/transfer/test_transfer_http.py \
+	--ignore=tests/transfer/test_transfer_http_mooncake.py --ignore=tests/actors/test_eplb_actor.py \
+	--ignore=tests/reliability/test_bad_input.py --ignore=tests/ep/test_ep_cluster.py
+
 test: sysdeps $(STAMP)
 	$(BIN)/python -m pytest -q --durations=30 $(PYTEST_ARGS)
-	@for cap in $(NUMERICS_CAPS); do \
-		echo "== numerics tests under ATEN_CPU_CAPABILITY=$$cap"; \
-		ATEN_CPU_CAPABILITY=$$cap $(BIN)/python -m pytest -q -m numerics \
-			--ignore=tests/reliability/test_soak.py --ignore=tests/models/test_family_clusters.py \
-			--ignore=tests/multinode --ignore=tests/e2e --ignore=tests/transfer/test_transfer_http.py \
-			--ignore=tests/transfer/test_transfer_http_mooncake.py --ignore=tests/actors/test_eplb_actor.py \
-			--ignore=tests/reliability/test_bad_input.py --ignore=tests/ep/test_ep_cluster.py \
-			$(PYTEST_ARGS) || exit 1; \
-	done
+	@logs=$$(mktemp -d); \
+	for cap in $(NUMERICS_CAPS); do \
+		( ATEN_CPU_CAPABILITY=$$cap $(BIN)/python -m pytest -q -m numerics $(NUMERICS_IGNORE) $(PYTEST_ARGS) \
+			> $$logs/$$cap.log 2>&1; echo $$? > $$logs/$$cap.rc ) & \
+	done; wait; rc=0; \
+	for cap in $(NUMERICS_CAPS); do \
+		echo "== numerics tests under ATEN_CPU_CAPABILITY=$$cap"; cat $$logs/$$cap.log; \
+		[ "$$(cat $$logs/$$cap.rc)" = 0 ] || { echo "== numerics tests FAILED under ATEN_CPU_CAPABILITY=$$cap"; rc=1; }; \
+	done; rm -rf $$logs; exit $$rc
 
 test-fast: sysdeps $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
