@@ -13,6 +13,7 @@ room, allocate its tail, free its own out-of-window SWA pages, insert, unlock.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import cProfile
 import gc
@@ -90,8 +91,10 @@ class BareTree:
 
     name = "tree"
 
+    eviction = "lru"
+
     def __init__(self, full: int, swa: int, geom: KVGeometry) -> None:
-        self.tree = RadixTree(PAGE, geom.window_pages)
+        self.tree = RadixTree(PAGE, geom.window_pages, eviction=self.eviction)
         self.alloc = {FULL: PageAllocator(full, "full"), SWA: PageAllocator(swa, "swa")}
         self.wp = geom.window_pages
 
@@ -134,7 +137,7 @@ class ThroughHiCache(BareTree):
     def __init__(self, full: int, swa: int, geom: KVGeometry) -> None:
         pools = KVPools(KVPoolConfig(PAGE, full, swa / full), ("sliding_attention", "full_attention"), 1, 1,
                         torch.float32, "cpu")
-        self.cache = HiCache(pools, geom)
+        self.cache = HiCache(pools, geom, eviction=self.eviction)
         self.tree = self.cache.tree
         self.alloc = {FULL: pools.full.allocator, SWA: pools.swa.allocator}
         self.wp = geom.window_pages
@@ -156,6 +159,18 @@ class ThroughHiCache(BareTree):
     def release(self, handle) -> None:
         if handle.locked:
             self.cache.release(handle)
+
+
+class BareTreeSlru(BareTree):
+    """The tree under segmented LRU (``prefix_eviction: slru``): never-reused pages are evicted first."""
+
+    name = "tree slru"
+    eviction = "slru"
+
+
+class ThroughHiCacheSlru(ThroughHiCache):
+    name = "hicache slru"
+    eviction = "slru"
 
 
 def serve(cache: BareTree, tokens: list[int], now: float, tm: _Timers) -> None:
@@ -226,6 +241,18 @@ def profile_summary(kind: type, rounds, top: int = 12) -> list[dict]:
              "share": round(v[2] / total, 3), "cumtime_s": round(v[3], 4)} for (fn, line, name), v in rows]
 
 
+def sglang_rows() -> list[dict]:
+    """SGLang's own tree on this workload instance, as bench/tree_sglang.py last measured it (it needs a
+    side venv with sglang; see its docstring): the baseline on the same instance and machine kind."""
+    path = os.path.join(os.path.dirname(__file__), "results", "tree_sglang.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        seed0 = json.load(f)["seed0"]
+    return [{"path": f"sglang {core} (tree_sglang.json)", **{k: r[k] for k in ("hit_rate", "requests/s",
+             "match/s hashed", "insert/s")}} for core, r in seed0.items()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one repetition, no profile (smoke test)")
@@ -236,7 +263,7 @@ def main() -> None:
     reps = 1 if args.quick else args.reps
     global _clock
     results, profiles, by_cpu = {}, {}, {}
-    kinds = (BareTree, ThroughHiCache)
+    kinds = (BareTree, ThroughHiCache, BareTreeSlru, ThroughHiCacheSlru)
     runs: dict = {(k.name, c): [] for k in kinds for c in CLOCKS}
     for _ in range(reps):   # interleaved, so both paths see the same (shared) machine
         for kind in kinds:
@@ -248,10 +275,12 @@ def main() -> None:
             rs = runs[kind.name, c]
             out[kind.name] = {k: max(r[k] for r in rs) if k.endswith("/s") else rs[0][k] for k in rs[0]}
         if not args.quick:
-            profiles[kind.name] = profile_summary(kind, rounds)
+            if kind.eviction == "lru":
+                profiles[kind.name] = profile_summary(kind, rounds)
     cols = ["path", "hit_rate", "requests/s", "match/s", "match/s hashed", "insert/s"]
-    rows = [{"path": f"{name} (before)", **BEFORE[name]} for name in results]
-    rows += [{"path": f"{name} (2dbed10)", **PREVIOUS[name]} for name in results]
+    rows = [{"path": f"{name} (before)", **BEFORE[name]} for name in results if name in BEFORE]
+    rows += [{"path": f"{name} (2dbed10)", **PREVIOUS[name]} for name in results if name in PREVIOUS]
+    rows += sglang_rows()
     rows += [{"path": name, **r} for name, r in results.items()]
     rows += [{"path": f"{name} (cpu time)", **r} for name, r in by_cpu.items()]
     rows.append({"path": "target", **TARGETS})

@@ -28,6 +28,7 @@ class EngineConfig:
     debug_integrity: bool = False        # debug: check every invariant after each step (AsyncEngine)
     torch_threads: int = 0               # intra-op threads for this process; 0 keeps torch's default
     enable_prefix_cache: bool = False
+    prefix_eviction: str = "lru"         # lru | slru (never-reused pages go first; storage/radix_lru.py)
     hicache: HiCacheConfig | None = None  # the L2 host tier; None keeps the cache in L1 only
     eplb: EplbConfig | None = None       # expert slots + rebalancer knobs; None: logical experts only
 
@@ -43,6 +44,8 @@ class EngineConfig:
             raise ValueError(f"torch_threads must be an int >= 0, got {self.torch_threads!r}")
         if not isinstance(self.debug_integrity, bool):
             raise ValueError(f"debug_integrity must be a bool, got {self.debug_integrity!r}")
+        if self.prefix_eviction not in ("lru", "slru"):
+            raise ValueError(f"prefix_eviction must be lru or slru, got {self.prefix_eviction!r}")
         if self.hicache is not None and not isinstance(self.hicache, HiCacheConfig):
             raise ValueError("hicache must be a HiCacheConfig")
         if self.hicache is not None and not self.enable_prefix_cache:

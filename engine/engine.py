@@ -111,7 +111,8 @@ class Engine:
         self.cache: HiCache | None = None
         self.hooks: PrefixCacheHooks | None = None
         if cfg.enable_prefix_cache:
-            self.cache = HiCache(self.pools, self.geometry, cfg.hicache, model_id=self.model_id())
+            self.cache = HiCache(self.pools, self.geometry, cfg.hicache, model_id=self.model_id(),
+                                 eviction=cfg.prefix_eviction)
         # The one owner of every request's L1 pages (the scheduler only decides).
         self.kv = KVManager(self.geometry, self.pools, self.cache, lambda: self._now)
         if self.cache is not None:

@@ -40,12 +40,16 @@ from typing import Optional, Sequence
 
 from storage.hashing import DEFAULT_SEED, Seed, SequenceKeys, page_keys
 from storage.radix_check import check_tree
-from storage.radix_lru import LRUIndex
+from storage.radix_lru import SLRU_PROTECTED, LRUIndex
 from storage.radix_node import (COMPONENTS, FULL, L1, L2, L3, PAGE_TIERS, SWA, TIERS, Freed, InsertResult,
                                 KVEvent, MatchResult, Node)
 from storage.radix_tiers import OnEvict, TierOps
 from storage.radix_view import ReadOps
 from storage.radix_walk import WalkOps, _run
+
+
+EVICTIONS = ("lru", "slru")
+"""Order of the full LRU lists: plain LRU, or segmented LRU (never-reused data first; radix_lru.py)."""
 
 
 class RadixTree(WalkOps, TierOps, ReadOps):
@@ -57,14 +61,21 @@ class RadixTree(WalkOps, TierOps, ReadOps):
     (``now``) are whatever monotonic clock the owner uses; the tree never reads one.
     """
 
-    def __init__(self, page_size: int, window_pages: int, *, seed: Seed = DEFAULT_SEED) -> None:
+    def __init__(self, page_size: int, window_pages: int, *, seed: Seed = DEFAULT_SEED,
+                 eviction: str = "lru") -> None:
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         self.page_size = page_size
         self.window_pages = self._check_window(window_pages)
         self.seed = seed
         self.root = Node(None, [], 0)
-        self._lru = {(c, t): LRUIndex(f"{c}/{t}", "last_access" if c == FULL else "swa_access")
+        if eviction not in EVICTIONS:
+            raise ValueError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
+        self.eviction = eviction
+        # SLRU orders the full lists only: SWA recency already follows the live window (module doc).
+        protect = SLRU_PROTECTED if eviction == "slru" else 0.0
+        self._lru = {(c, t): LRUIndex(f"{c}/{t}", "last_access" if c == FULL else "swa_access",
+                                      protect if c == FULL else 0.0)
                      for c in COMPONENTS for t in PAGE_TIERS}
         self._full_lrus = tuple(self._lru[(FULL, t)] for t in PAGE_TIERS)
         self._swa_lrus = tuple(self._lru[(SWA, t)] for t in PAGE_TIERS)
@@ -441,7 +452,7 @@ class RadixTree(WalkOps, TierOps, ReadOps):
         ps, s, parent = self.page_size, node.depth + k, node.parent
         up = Node(parent, node.keys[:k], node.depth, node.tokens[:k * ps] if node.tokens else None,
                   node.last_access)
-        up.swa_access, up.hit_count = node.swa_access, node.hit_count
+        up.swa_access, up.hit_count, up.demoted_hits = node.swa_access, node.hit_count, node.demoted_hits
         for c in COMPONENTS:
             for lo_store, up_store in ((node.l1, up.l1), (node.l2, up.l2)):
                 if lo_store[c] is not None:

@@ -7,6 +7,14 @@ first, node id)`` -- deeper first because a match touches a whole path with one 
 must go before its parent. The access time is the node's ``last_access`` for full lists and its
 ``swa_access`` for SWA lists (a match refreshes SWA only inside its window). add/discard/touch are O(log n) (O(1) for discard), pop is amortised
 O(log n); stale heap entries are dropped when met or when they outnumber live ones.
+
+**Segmented LRU** (``protect > 0``; the full lists under ``prefix_eviction: slru``). A member reused since
+it was last demoted (``hit_count > demoted_hits``) is *protected*; every unprotected member goes before
+any protected one, each segment in LRU order. Plain LRU strips whole conversations when a workload cycles
+through more of them than L1 holds (the next one due is always the least recent); SLRU takes each
+conversation's never-reused newest turn first, so every conversation keeps its older prefix. Protected
+members may hold at most ``protect`` of the list's pages: past that, the least recent ones are demoted
+(at eviction time), so stale content that was once reused cannot pin the cache for ever.
 """
 from __future__ import annotations
 
@@ -16,19 +24,28 @@ from typing import Iterator, Optional
 
 from storage.radix_node import Node
 
-_Key = tuple  # (access time, -end, id)
+_Key = tuple  # (protected, access time, -end, id)
+
+SLRU_PROTECTED = 0.8
+"""Share of a segmented list's pages protected members may hold (``prefix_eviction: slru``)."""
 
 
-def lru_key(node: Node, stamp: str = "last_access") -> _Key:
-    return (getattr(node, stamp), -node.end, node.id)
+def lru_key(node: Node, stamp: str = "last_access", protect: bool = False) -> _Key:
+    return (protect and node.hit_count > node.demoted_hits, getattr(node, stamp), -node.end, node.id)
 
 
 class LRUIndex:
     """The set of nodes currently evictable for one (component, tier), in LRU order."""
 
-    def __init__(self, name: str, stamp: str = "last_access") -> None:
+    def __init__(self, name: str, stamp: str = "last_access", protect: float = 0.0) -> None:
+        if not 0.0 <= protect <= 1.0:
+            raise ValueError(f"protect must be in [0, 1], got {protect!r}")
         self.name = name
         self.stamp = stamp  # the Node attribute ordering this list
+        self.protect = protect  # 0: plain LRU; else segmented, see the module doc
+        self._prot: dict[int, int] = {}  # protected member id -> its pages
+        self.protected_pages = 0
+        self._pheap: list[tuple[_Key, int, Node]] = []  # the protected entries alone (demotion order)
         # Entries are (key, seq, node); seq is unique so a re-added node's old entry (same key) is stale.
         self._heap: list[tuple[_Key, int, Node]] = []
         self._key: dict[int, _Key] = {}  # node id -> its current key
@@ -50,17 +67,24 @@ class LRUIndex:
         return self._key.get(node.id)
 
     def add(self, node: Node) -> None:
-        """Insert, or re-key after the access time changed (no-op when already current)."""
-        key = (getattr(node, self.stamp), -node.end, node.id)
+        """Insert, or re-key after the access time (or reuse) changed (no-op when already current)."""
+        prot = self.protect > 0 and node.hit_count > node.demoted_hits
+        key = (prot, getattr(node, self.stamp), -node.end, node.id)
         old = self._key.get(node.id)
         if old == key:
             return
         if old is None:
             self.num_pages += node.num_pages
             self._nodes[node.id] = node
+        elif old[0]:
+            self.protected_pages -= self._prot.pop(node.id)
         self._key[node.id] = key
         seq = self._seq[node.id] = next(self._counter)
         heapq.heappush(self._heap, (key, seq, node))
+        if prot:
+            self._prot[node.id] = node.num_pages
+            self.protected_pages += node.num_pages
+            heapq.heappush(self._pheap, (key, seq, node))
         self._maybe_compact()
 
     def touch(self, node: Node) -> None:
@@ -74,14 +98,34 @@ class LRUIndex:
             del self._seq[node.id]
             del self._nodes[node.id]
             self.num_pages -= node.num_pages
+            if node.id in self._prot:
+                self.protected_pages -= self._prot.pop(node.id)
 
     def resize(self, node: Node, old_pages: int) -> None:
         """A member was split: its page count changed from ``old_pages``."""
         if node.id in self._key:
             self.num_pages += node.num_pages - old_pages
+            if node.id in self._prot:
+                self.protected_pages += node.num_pages - old_pages
+                self._prot[node.id] = node.num_pages
+
+    def _demote_over_cap(self) -> None:
+        """Segmented: demote the least recent protected members while they hold more than their share."""
+        pheap = self._pheap
+        while self.protected_pages > self.protect * self.num_pages and pheap:
+            _, seq, node = heapq.heappop(pheap)
+            if self._seq.get(node.id) == seq and node.id in self._prot:
+                node.demoted_hits = node.hit_count
+                self.add(node)   # re-keyed unprotected
+        if len(pheap) > 2 * len(self._prot) + 64:
+            self._pheap = [(self._key[i], self._seq[i], self._nodes[i]) for i in self._prot]
+            heapq.heapify(self._pheap)
 
     def peek(self) -> Optional[Node]:
-        """Least recently used member (None when empty)."""
+        """Next member to evict: the least recently used (unprotected first when segmented); None when
+        empty."""
+        if self.protect and self.protected_pages > self.protect * self.num_pages:
+            self._demote_over_cap()
         heap = self._heap
         while heap:
             _, seq, node = heap[0]
@@ -91,8 +135,12 @@ class LRUIndex:
         return None
 
     def ordered(self) -> Iterator[Node]:
-        """Members in eviction order without mutating (O(n log n): for peeking, not the hot path)."""
-        return iter(sorted(self._nodes.values(), key=lambda n: lru_key(n, self.stamp)))
+        """Members in eviction order, leaving the heap alone (O(n log n): for peeking, not the hot path).
+        Segmented: the demotions ``peek`` would make come first, so the order is the one eviction takes."""
+        prot = self.protect > 0
+        if prot and self.protected_pages > self.protect * self.num_pages:
+            self._demote_over_cap()
+        return iter(sorted(self._nodes.values(), key=lambda n: lru_key(n, self.stamp, prot)))
 
     def _maybe_compact(self) -> None:
         if len(self._heap) > 2 * len(self._key) + 64:
@@ -102,5 +150,9 @@ class LRUIndex:
     def consistent(self) -> bool:
         """Every member has exactly one live heap entry, keyed by its current key (check_integrity)."""
         live = [(n.id, k) for k, seq, n in self._heap if self._seq.get(n.id) == seq]
+        prot = self.protect > 0
+        protected = {i: self._nodes[i].num_pages for i, k in self._key.items() if k[0]}
         return (len(live) == len(self._key) and len({i for i, _ in live}) == len(live)
-                and all(self._key[i] == k == lru_key(self._nodes[i], self.stamp) for i, k in live))
+                and all(self._key[i] == k == lru_key(self._nodes[i], self.stamp, prot) for i, k in live)
+                and protected == self._prot and self.protected_pages == sum(protected.values())
+                and set(self._prot) <= {n.id for k, seq, n in self._pheap if self._seq.get(n.id) == seq})

@@ -34,7 +34,8 @@ class Node:
     """
 
     __slots__ = ("id", "parent", "children", "keys", "tokens", "depth", "l1", "l2", "l3", "lock",
-                 "swa_lock_starts", "last_access", "swa_access", "hit_count", "child_full", "removed")
+                 "swa_lock_starts", "last_access", "swa_access", "hit_count", "demoted_hits", "child_full",
+                 "removed")
 
     def __init__(self, parent: Optional["Node"], keys: list[bytes], depth: int,
                  tokens: Optional[list[int]] = None, now: float = 0.0) -> None:
@@ -54,6 +55,7 @@ class Node:
         # end, so the stale windows of earlier turns age while the path's full data stays hot.
         self.swa_access = now
         self.hit_count = 0
+        self.demoted_hits = 0   # hit_count when segmented LRU last demoted it (radix_lru.py)
         self.child_full: dict[str, int] = {L1: 0, L2: 0}
         self.removed = False
 

@@ -40,7 +40,7 @@ from storage.radix_node import L1, L3, Node
 
 class HiCache:
     def __init__(self, pools: KVPools, geom: KVGeometry, cfg: Optional[HiCacheConfig] = None,
-                 seed=DEFAULT_SEED, model_id: str = "model") -> None:
+                 seed=DEFAULT_SEED, model_id: str = "model", eviction: str = "lru") -> None:
         self.pools = pools
         self.cfg = cfg
         self.page_size = pools.cfg.page_size
@@ -49,7 +49,7 @@ class HiCache:
         self.geom = geom
         self.has_swa = bool(pools.swa.layer_ids) and geom.has_swa
         wp = geom.window_pages if self.has_swa else 0
-        self.tree = RadixTree(self.page_size, wp, seed=seed)
+        self.tree = RadixTree(self.page_size, wp, seed=seed, eviction=eviction)
         self._components = (FULL, SWA) if self.has_swa else (FULL,)
         # match_prefix(lock=True) takes SWA iff the tree has a window: the same locks as _lock.
         self._fused_lock = bool(wp) == self.has_swa

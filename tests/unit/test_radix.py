@@ -468,9 +468,11 @@ class TreeMachine(RuleBasedStateMachine):
     in place, locks cover each request's path and window, match agrees with a brute-force oracle,
     and replaying the KV events reproduces exactly what the tree holds."""
 
+    EVICTION = "lru"
+
     def __init__(self):
         super().__init__()
-        self.tree = RadixTree(PS, W)
+        self.tree = RadixTree(PS, W, eviction=self.EVICTION)
         self.alloc = {key: PageAllocator(n, f"{key[0]}/{key[1]}") for key, n in POOL.items()}
         self.reqs: dict[int, Request] = {}
         self.extra_locks: list = []  # (node, component) held outside any request
@@ -758,3 +760,33 @@ class TreeMachine(RuleBasedStateMachine):
 TreeMachine.TestCase.settings = settings(max_examples=2000, stateful_step_count=20, deadline=None,
                                          derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 test_tree_machine = TreeMachine.TestCase
+
+
+class SlruTreeMachine(TreeMachine):
+    """The same machine over a segmented-LRU tree (prefix_eviction: slru): every invariant holds, the
+    protected share included (radix_lru.py consistent())."""
+
+    EVICTION = "slru"
+
+
+SlruTreeMachine.TestCase.settings = settings(max_examples=600, stateful_step_count=20, deadline=None)
+test_slru_tree_machine = SlruTreeMachine.TestCase
+
+
+def test_slru_evicts_the_never_reused_tail_before_a_reused_prefix():
+    """Two conversations: A's turn-1 prefix was reused (turn 2 matched it), B's single turn never was.
+    Plain LRU evicts A's prefix (least recent); SLRU evicts B's never-reused pages first."""
+    out = {}
+    for eviction in ("lru", "slru"):
+        t = RadixTree(PS, 0, eviction=eviction)
+        a1, b = seq(4, 0), seq(4, 1000)
+        t.insert(t.page_keys(a1), list(range(4)), now=1)
+        m = t.match_prefix(t.page_keys(a1 + seq(2, 500)), now=2)   # A's turn 2 reuses turn 1...
+        assert m.num_pages == 4
+        t.insert(t.page_keys(b), list(range(10, 14)), now=3)       # ...then B arrives, never reused
+        freed = t.evict(FULL, L1, 4)
+        out[eviction] = sorted(freed[FULL, L1])
+        t.check_integrity()
+    assert out == {"lru": [0, 1, 2, 3], "slru": [10, 11, 12, 13]}
+    with pytest.raises(ValueError, match="eviction"):
+        RadixTree(PS, W, eviction="mru")
