@@ -202,18 +202,23 @@ def test_timeout_with_slow_store_uses_shorter_prefix(written, l3dir, ref):
     _done(b)
 
 
-@pytest.mark.numerics
-def test_corrupt_page_mid_prefix_ends_it(written, l3dir, ref):
-    _, prompt, turn2, want = written
-    b = _engine(l3dir)
-    keys = b.cache.tree.page_keys(prompt)
-    name = key_digest(l3_key(b.model_id(), "full", keys[12])).hex()
+def _flip_a_byte(eng, l3dir, key) -> None:
+    """Corrupt the stored full page of ``key`` in a file L3 (one bit near its end)."""
+    name = key_digest(l3_key(eng.model_id(), "full", key)).hex()
     path = os.path.join(l3dir, "v1", name[:2], name[2:])
     with open(path, "r+b") as fh:
         fh.seek(os.path.getsize(path) - 7)
         byte = fh.read(1)
         fh.seek(-1, os.SEEK_CUR)
         fh.write(bytes([byte[0] ^ 0x40]))
+
+
+@pytest.mark.numerics
+def test_corrupt_page_mid_prefix_ends_it(written, l3dir, ref):
+    _, prompt, turn2, want = written
+    b = _engine(l3dir)
+    keys = b.cache.tree.page_keys(prompt)
+    _flip_a_byte(b, l3dir, keys[12])
     got = b.generate([turn2], SP)[0]
     numerics.assert_same_output(got, want, ref.model_config)
     # Pages 0..11 arrived, but their last window was never fetched (only the prompt's is): nothing usable.
@@ -380,13 +385,7 @@ def test_corrupt_page_past_a_window_keeps_the_prefix_before_it(two_sequences, tm
     shutil.copytree(two_sequences[0], tmp_path / "l3")
     _, turn3, want = two_sequences
     b = _engine(tmp_path / "l3", prefetch_batch_pages=4)
-    name = key_digest(l3_key(b.model_id(), "full", b.cache.tree.page_keys(turn3)[22])).hex()
-    path = os.path.join(tmp_path / "l3", "v1", name[:2], name[2:])
-    with open(path, "r+b") as fh:
-        fh.seek(os.path.getsize(path) - 7)
-        byte = fh.read(1)
-        fh.seek(-1, os.SEEK_CUR)
-        fh.write(bytes([byte[0] ^ 0x40]))
+    _flip_a_byte(b, tmp_path / "l3", b.cache.tree.page_keys(turn3)[22])
     got = b.generate([turn3], SP)[0]
     numerics.assert_same_output(got, want, ref.model_config)
     assert got.cached_tokens_by_tier == {"L1": 0, "L2": 0, "L3": 20 * PS}
