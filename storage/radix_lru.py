@@ -111,15 +111,13 @@ class LRUIndex:
 
     def _demote_over_cap(self) -> None:
         """Segmented: demote the least recent protected members while they hold more than their share."""
-        pheap = self._pheap
-        while self.protected_pages > self.protect * self.num_pages and pheap:
-            _, seq, node = heapq.heappop(pheap)
+        # self._pheap each time round: add() may compact it into a new list.
+        while self.protected_pages > self.protect * self.num_pages and self._pheap:
+            _, seq, node = heapq.heappop(self._pheap)
             if self._seq.get(node.id) == seq and node.id in self._prot:
                 node.demoted_hits = node.hit_count
                 self.add(node)   # re-keyed unprotected
-        if len(pheap) > 2 * len(self._prot) + 64:
-            self._pheap = [(self._key[i], self._seq[i], self._nodes[i]) for i in self._prot]
-            heapq.heapify(self._pheap)
+        self._maybe_compact()
 
     def peek(self) -> Optional[Node]:
         """Next member to evict: the least recently used (unprotected first when segmented); None when
@@ -143,9 +141,14 @@ class LRUIndex:
         return iter(sorted(self._nodes.values(), key=lambda n: lru_key(n, self.stamp, prot)))
 
     def _maybe_compact(self) -> None:
+        """Drop stale entries once they outnumber live ones (both heaps: a long-running server re-keys
+        its members on every touch)."""
         if len(self._heap) > 2 * len(self._key) + 64:
             self._heap = [(k, self._seq[i], self._nodes[i]) for i, k in self._key.items()]
             heapq.heapify(self._heap)
+        if len(self._pheap) > 2 * len(self._prot) + 64:
+            self._pheap = [(self._key[i], self._seq[i], self._nodes[i]) for i in self._prot]
+            heapq.heapify(self._pheap)
 
     def consistent(self) -> bool:
         """Every member has exactly one live heap entry, keyed by its current key (check_integrity)."""

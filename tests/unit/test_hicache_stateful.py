@@ -46,11 +46,12 @@ def test_controller_state_machine(micro_ckpt):
     class Machine(RuleBasedStateMachine):
         @initialize(policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
                     layout=st.sampled_from(["layer_first", "page_first", "page_first_direct"]),
-                    l1_pages=st.integers(14, 40), host_pages=st.integers(6, 40))
-        def setup(self, policy, layout, l1_pages, host_pages):
+                    l1_pages=st.integers(14, 40), host_pages=st.integers(6, 40),
+                    eviction=st.sampled_from(["lru", "slru"]))
+        def setup(self, policy, layout, l1_pages, host_pages, eviction):
             self.eng = Engine.from_pretrained(
                 micro_ckpt, page_size=PS, num_pages=l1_pages, swa_full_ratio=0.5, max_batch_tokens=16,
-                max_running_requests=3, enable_prefix_cache=True, poison_kv=True,
+                max_running_requests=3, enable_prefix_cache=True, poison_kv=True, prefix_eviction=eviction,
                 hicache=HiCacheConfig(host_pages=host_pages, write_policy=policy, layout=layout,
                                       write_through_threshold=2, host_swa_ratio=0.5))
             self.live: dict[str, list[int]] = {}

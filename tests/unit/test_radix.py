@@ -790,3 +790,17 @@ def test_slru_evicts_the_never_reused_tail_before_a_reused_prefix():
     assert out == {"lru": [0, 1, 2, 3], "slru": [10, 11, 12, 13]}
     with pytest.raises(ValueError, match="eviction"):
         RadixTree(PS, W, eviction="mru")
+
+
+def test_slru_heaps_stay_bounded_under_repeated_touches():
+    """A long-running server re-keys its members on every match: stale heap entries are dropped, in the
+    protected heap too (it used to grow with every touch)."""
+    t = RadixTree(PS, 0, eviction="slru")
+    keys = [t.page_keys(seq(2, 1000 * i)) for i in range(8)]
+    for i, k in enumerate(keys):
+        t.insert(k, [2 * i, 2 * i + 1], now=i)
+    for step in range(5000):
+        t.match_prefix(keys[step % 8], now=10 + step)
+    lru = t._lru[(FULL, L1)]
+    assert lru.protected_pages == 16 and len(lru._heap) <= 2 * 8 + 64 + 1 and len(lru._pheap) <= 2 * 8 + 64 + 1
+    t.check_integrity()
