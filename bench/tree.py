@@ -13,10 +13,10 @@ room, allocate its tail, free its own out-of-window SWA pages, insert, unlock.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import cProfile
 import gc
+import json
+import os
 import pstats
 import random
 import time

@@ -78,7 +78,6 @@ class RadixTree(WalkOps, TierOps, ReadOps):
                                       protect if c == FULL else 0.0)
                      for c in COMPONENTS for t in PAGE_TIERS}
         self._full_lrus = tuple(self._lru[(FULL, t)] for t in PAGE_TIERS)
-        self._swa_lrus = tuple(self._lru[(SWA, t)] for t in PAGE_TIERS)
         self._lrus_of = {c: (self._lru[(c, L1)], self._lru[(c, L2)]) for c in COMPONENTS}
         self._locks: Counter[tuple[str, Node]] = Counter()  # (component, node) -> lock() calls held
         self._events: list[KVEvent] = []
@@ -153,17 +152,15 @@ class RadixTree(WalkOps, TierOps, ReadOps):
                 break
             cur = child
         res = MatchResult(node=self.root, matched_pages=i)
-        if best < 0 or (lock and w != self.window_pages):
-            if best >= 0:
-                res = self.match_prefix(keys, now=now, window_pages=window_pages)
+        # Locks always cover the tree's W: fused into the loops below only when the query uses it too.
+        fuse = lock and best >= 0 and w == self.window_pages
+        if best < 0:
             if lock:
-                self.lock(res.node, FULL)
-                if self.window_pages:
-                    self.lock(res.node, SWA)
+                self._lock_both(res.node)
             return res
-        last, k = path[best]
-        if k < last.num_pages:
-            last = self._split(last, k)
+        last = self._match_end(path, best)
+        if lock and not fuse:
+            self._lock_both(last)
         nodes = [n for n, _ in path[:best]] + [last]
         res.node, res.nodes, res.num_pages = last, nodes, last.end
         full_l1, l1_full, l1_swa = 0, res.l1_full, res.l1_swa
@@ -182,7 +179,7 @@ class RadixTree(WalkOps, TierOps, ReadOps):
             l1_swa += swa if swa is not None else [None] * len(n.keys)
             n.last_access = now
             n.hit_count += 1
-            if lock:   # lock(last, FULL) inlined: a locked node leaves both full lists
+            if fuse:   # lock(last, FULL) inlined: a locked node leaves both full lists
                 lk = n.lock
                 lk[FULL] += 1
                 if lk[FULL] == 1:
@@ -202,7 +199,7 @@ class RadixTree(WalkOps, TierOps, ReadOps):
         # The window's nodes, once: their SWA tiers, and SWA recency (_touch_window, inlined). Both
         # cover the last min(W, m) pages: the nodes ending after m - W.
         s1 = s2 = s3 = 0
-        lru1, lru2 = self._swa_lrus
+        lru1, lru2 = self._lrus_of[SWA]
         keyed1, keyed2 = lru1._key, lru2._key
         for n in reversed(nodes):
             if left <= 0:
@@ -217,7 +214,7 @@ class RadixTree(WalkOps, TierOps, ReadOps):
             left -= take
             if w == self.window_pages:
                 n.swa_access = now
-                if lock:   # lock(last, SWA) inlined: the window's nodes are the ones it covers
+                if fuse:   # lock(last, SWA) inlined: the window's nodes are the ones it covers
                     lk = n.lock
                     lk[SWA] += 1
                     if lk[SWA] == 1:
@@ -232,7 +229,7 @@ class RadixTree(WalkOps, TierOps, ReadOps):
                     if n.id in keyed2:
                         lru2.add(n)
         res.swa_l1, res.swa_l2, res.swa_l3 = s1, s2, s3
-        if lock:
+        if fuse:
             locks = self._locks
             locks[(FULL, last)] = locks.get((FULL, last), 0) + 1
             if w:
@@ -240,6 +237,17 @@ class RadixTree(WalkOps, TierOps, ReadOps):
                 top.swa_lock_starts[start] = top.swa_lock_starts.get(start, 0) + 1
                 locks[(SWA, last)] = locks.get((SWA, last), 0) + 1
         return res
+
+    def _match_end(self, path: list, best: int) -> Node:
+        """The node a match ends with: ``path[best]``, split where the match stops inside it."""
+        last, k = path[best]
+        return self._split(last, k) if k < last.num_pages else last
+
+    def _lock_both(self, node: Node) -> None:
+        """``lock(node, FULL)``, then SWA when the tree has a window (what ``match_prefix(lock=True)`` takes)."""
+        self.lock(node, FULL)
+        if self.window_pages:
+            self.lock(node, SWA)
 
     def insert(self, keys: Sequence[bytes], full_pages: Sequence[int],
                swa_pages: Optional[Sequence[Optional[int]]] = None, *, now: float,

@@ -50,7 +50,7 @@ class HiCache:
         self.has_swa = bool(pools.swa.layer_ids) and geom.has_swa
         wp = geom.window_pages if self.has_swa else 0
         self.tree = RadixTree(self.page_size, wp, seed=seed, eviction=eviction)
-        self._components = (FULL, SWA) if self.has_swa else (FULL,)
+        self._components = COMPONENTS if self.has_swa else (FULL,)
         # match_prefix(lock=True) takes SWA iff the tree has a window: the same locks as _lock.
         self._fused_lock = bool(wp) == self.has_swa
         self.stats = {"hit_tokens": {"L1": 0, "L2": 0, "L3": 0}, "lookup_tokens": 0,
@@ -76,7 +76,7 @@ class HiCache:
 
     @property
     def components(self) -> tuple[str, ...]:
-        return COMPONENTS if self.has_swa else (FULL,)
+        return self._components
 
     @property
     def host(self):
@@ -256,11 +256,9 @@ class HiCache:
 
     # ---- pins ----------------------------------------------------------------------------------------
     def _lock(self, hit: PrefixHit) -> None:
-        self.tree.lock(hit.node, FULL)
-        hit.locked = (FULL,)
-        if self.has_swa:
-            self.tree.lock(hit.node, SWA)
-            hit.locked = (FULL, SWA)
+        for c in self._components:   # full before SWA (a SWA lock needs the full one)
+            self.tree.lock(hit.node, c)
+        hit.locked = self._components
 
     def _unlock(self, node, components) -> None:
         for c in reversed(components):
