@@ -26,6 +26,19 @@ def test_losing_a_node_under_load(local_cluster, tmp_path_factory):
         launch.shutdown(h)
 
 
+def _node_of(worker, timeout: float = 60.0) -> str:
+    """The node a restarted actor runs on. Right after a restart the driver's handle may still point at
+    the dead process: Ray says ActorUnavailableError ("temporarily unavailable") until it reconnects."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ray.get(worker.node.remote(), timeout=timeout)
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def _run(lc, h):
     url, router = h["url"], h["router"]
     ref = Engine.from_pretrained(h["model_path"], page_size=16, num_pages=512)
@@ -51,7 +64,7 @@ def _run(lc, h):
     assert back is not None, f"{victim} did not serve again within 120 s"
     # (a restart within stale_after reports "fresh", which drops the old pages the same way)
     assert dropped or back < 10, f"the router never stopped counting {victim}'s pages while its node was gone"
-    new_node = ray.get(h["workers"][victim].node.remote(), timeout=60)
+    new_node = _node_of(h["workers"][victim])
     assert new_node != where[victim] and any(n["NodeID"] == new_node and n["Alive"] for n in ray.nodes())
     bad = [(r.status, r.body) for r in results if r.status != 200]
     for c, b in bad:   # clean errors only: a status and a message, never a hang or a dropped connection
