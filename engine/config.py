@@ -28,7 +28,7 @@ class EngineConfig:
     debug_integrity: bool = False        # debug: check every invariant after each step (AsyncEngine)
     torch_threads: int = 0               # intra-op threads for this process; 0 keeps torch's default
     enable_prefix_cache: bool = False
-    prefix_eviction: str = "lru"         # lru | slru (never-reused pages go first; storage/radix_lru.py)
+    prefix_eviction: str = "slru"        # slru | lru (slru: never-reused pages go first; storage/radix_lru.py)
     hicache: HiCacheConfig | None = None  # the L2 host tier; None keeps the cache in L1 only
     eplb: EplbConfig | None = None       # expert slots + rebalancer knobs; None: logical experts only
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Optional, Sequence
 
-from storage.hashing import DEFAULT_SEED, Seed, SequenceKeys, page_keys
+from storage.hashing import DEFAULT_SEED, Seed, SequenceKeys, page_keys, root_key
 from storage.radix_check import check_tree
 from storage.radix_lru import SLRU_PROTECTED, LRUIndex
 from storage.radix_node import (COMPONENTS, FULL, L1, L2, L3, PAGE_TIERS, SWA, TIERS, Freed, InsertResult,
@@ -68,6 +68,7 @@ class RadixTree(WalkOps, TierOps, ReadOps):
         self.page_size = page_size
         self.window_pages = self._check_window(window_pages)
         self.seed = seed
+        self._root_key: Optional[bytes] = None   # root_key(seed), on first use (it may be invalid)
         self.root = Node(None, [], 0)
         if eviction not in EVICTIONS:
             raise ValueError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
@@ -99,6 +100,11 @@ class RadixTree(WalkOps, TierOps, ReadOps):
     def sequence_keys(self, tokens, num_pages: Optional[int] = None, salt: Seed | None = None) -> SequenceKeys:
         """The same keys computed lazily (storage/hashing.py SequenceKeys): pass it to ``match_prefix``
         and ``insert`` and the pages the tree recognises by their tokens are not hashed."""
+        if salt is None and type(tokens) is list and num_pages is not None \
+                and type(num_pages) is int and 0 <= num_pages <= len(tokens) // self.page_size:
+            if self._root_key is None:
+                self._root_key = root_key(self.seed)
+            return SequenceKeys.trusted(tokens, self.page_size, self._root_key, num_pages)
         return SequenceKeys(tokens, self.page_size, seed=self.seed, salt=salt, num_pages=num_pages)
 
     def take_events(self) -> list[KVEvent]:
@@ -126,44 +132,62 @@ class RadixTree(WalkOps, TierOps, ReadOps):
         so ``result.node`` ends exactly at m.
         """
         w = self.window_pages if window_pages is None else self._check_window(window_pages)
-        path: list[tuple[Node, int]] = []  # (node, pages of it matched)
-        cur, i = self.root, 0
+        nodes: list[Node] = []   # the walked path; only its last node may be matched in part
+        cur, i, root = self.root, 0, self.root
         by_tokens = isinstance(keys, SequenceKeys) and keys.page_size == self.page_size
-        n_keys = len(keys)
+        n_keys, ps = len(keys), self.page_size
+        toks = keys.tokens if by_tokens else None
+        step = self._step
         # m may only end right after a SWA-present run that is >= W long or starts at page 0: ``best``
         # is the last such node of the path, found during the walk.
         best, run_start = -1, None
         while i < n_keys:
-            child, k = self._step(cur, keys, i, by_tokens, n_keys)
+            children = cur.children
+            child = None
+            if by_tokens and len(children) == 1 and cur is not root:
+                # One way on (a conversation's next turn), _step's common case inlined: the whole edge
+                # equal to the tokens.
+                for ch in children.values():
+                    ct, k = ch.tokens, len(ch.keys)
+                    if ct is not None and i + k <= n_keys and toks[i * ps:(i + k) * ps] == ct:
+                        known = len(keys._keys)
+                        if i <= known < i + k:
+                            keys._keys += ch.keys[known - i:]
+                        child = ch
             if child is None:
-                break
+                child, k = step(cur, keys, i, by_tokens, n_keys)
+                if child is None:
+                    break
             if child.l1[SWA] is not None or child.l2[SWA] is not None or child.l3[SWA]:
                 if run_start is None:
                     run_start = child.depth
                 if w == 0 or run_start == 0 or i + k - run_start >= w:
-                    best = len(path)
+                    best = len(nodes)
             else:
                 run_start = None
                 if w == 0:
-                    best = len(path)
-            path.append((child, k))
+                    best = len(nodes)
+            nodes.append(child)
             i += k
             if k < len(child.keys):
                 break
             cur = child
-        res = MatchResult(node=self.root, matched_pages=i)
+        res = MatchResult(node=root, matched_pages=i)
         # Locks always cover the tree's W: fused into the loops below only when the query uses it too.
         fuse = lock and best >= 0 and w == self.window_pages
         if best < 0:
             if lock:
-                self._lock_both(res.node)
+                self._lock_both(root)
             return res
-        last = self._match_end(path, best)
+        del nodes[best + 1:]
+        last = nodes[-1]
+        if last.end > i:   # the match stops inside it: split, so the result ends exactly there
+            last = nodes[-1] = self._split(last, i - last.depth)
         if lock and not fuse:
             self._lock_both(last)
-        nodes = [n for n, _ in path[:best]] + [last]
-        res.node, res.nodes, res.num_pages = last, nodes, last.end
-        full_l1, l1_full, l1_swa = 0, res.l1_full, res.l1_swa
+        m = last.end
+        res.node, res.nodes, res.num_pages = last, nodes, m
+        full_l1, l1_full = 0, res.l1_full
         lru1, lru2 = self._full_lrus
         keyed1, keyed2 = lru1._key, lru2._key
         for n in nodes:  # the hot loop of every request: attribute reads inlined
@@ -175,8 +199,6 @@ class RadixTree(WalkOps, TierOps, ReadOps):
                 res.full_l2 += len(n.keys)
             else:
                 res.full_l3 += len(n.keys)
-            swa = n.l1[SWA]
-            l1_swa += swa if swa is not None else [None] * len(n.keys)
             n.last_access = now
             n.hit_count += 1
             if fuse:   # lock(last, FULL) inlined: a locked node leaves both full lists
@@ -193,24 +215,30 @@ class RadixTree(WalkOps, TierOps, ReadOps):
                 if n.id in keyed2:
                     lru2.add(n)
         res.full_l1 = full_l1
-        res.swa_window = left = min(w, res.num_pages)
+        res.swa_window = left = min(w, m)
         if w != self.window_pages or not w:
             self._touch_window(nodes, now)
-        # The window's nodes, once: their SWA tiers, and SWA recency (_touch_window, inlined). Both
-        # cover the last min(W, m) pages: the nodes ending after m - W.
+        # The window's nodes, once: their SWA tiers and L1 pages, and SWA recency (_touch_window,
+        # inlined). All cover the last min(W, m) pages: the nodes ending after m - W.
         s1 = s2 = s3 = 0
         lru1, lru2 = self._lrus_of[SWA]
         keyed1, keyed2 = lru1._key, lru2._key
+        window: list = []   # the window's L1 SWA pages, last node first
         for n in reversed(nodes):
             if left <= 0:
                 break
-            take = min(left, len(n.keys))
-            if n.l1[SWA] is not None:   # never a tombstone: the window is inside a SWA run
+            nk = len(n.keys)
+            take = left if left < nk else nk
+            swa = n.l1[SWA]
+            if swa is not None:   # never a tombstone: the window is inside a SWA run
                 s1 += take
-            elif n.l2[SWA] is not None:
-                s2 += take
+                window.append(swa if take == nk else swa[nk - take:])
             else:
-                s3 += take
+                window.append([None] * take)
+                if n.l2[SWA] is not None:
+                    s2 += take
+                else:
+                    s3 += take
             left -= take
             if w == self.window_pages:
                 n.swa_access = now
@@ -228,20 +256,18 @@ class RadixTree(WalkOps, TierOps, ReadOps):
                         lru1.add(n)
                     if n.id in keyed2:
                         lru2.add(n)
+        l1_swa = res.l1_swa = [None] * (m - res.swa_window)
+        for part in reversed(window):
+            l1_swa += part
         res.swa_l1, res.swa_l2, res.swa_l3 = s1, s2, s3
         if fuse:
             locks = self._locks
             locks[(FULL, last)] = locks.get((FULL, last), 0) + 1
             if w:
-                start = max(0, last.end - w)
+                start = max(0, m - w)
                 top.swa_lock_starts[start] = top.swa_lock_starts.get(start, 0) + 1
                 locks[(SWA, last)] = locks.get((SWA, last), 0) + 1
         return res
-
-    def _match_end(self, path: list, best: int) -> Node:
-        """The node a match ends with: ``path[best]``, split where the match stops inside it."""
-        last, k = path[best]
-        return self._split(last, k) if k < last.num_pages else last
 
     def _lock_both(self, node: Node) -> None:
         """``lock(node, FULL)``, then SWA when the tree has a window (what ``match_prefix(lock=True)`` takes)."""
@@ -298,15 +324,28 @@ class RadixTree(WalkOps, TierOps, ReadOps):
             if swa[i] is not None:
                 self._set(node, SWA, L1, swa[i:i + r])
             cur, i = node, i + r
-        path = cur.path()
-        (lru1, keyed1), (lru2, keyed2) = ((lru, lru._key) for lru in self._full_lrus)
-        for node in path:
+        # Recency, bottom up in one pass: the whole path for full, the window before its end for SWA
+        # (LRUIndex.touch and _touch_window inlined, for the members only).
+        lru1, lru2 = self._full_lrus
+        keyed1, keyed2 = lru1._key, lru2._key
+        slru1, slru2 = self._lrus_of[SWA]
+        skeyed1, skeyed2 = slru1._key, slru2._key
+        lo = cur.end - self.window_pages if self.window_pages else -1
+        node, root = cur, self.root
+        while node is not root:
             node.last_access = now
-            if node.id in keyed1:   # LRUIndex.touch, for the members only
+            nid = node.id
+            if nid in keyed1:
                 lru1.add(node)
-            if node.id in keyed2:
+            if nid in keyed2:
                 lru2.add(node)
-        self._touch_window(path, now)
+            if node.end > lo:
+                node.swa_access = now
+                if nid in skeyed1:
+                    slru1.add(node)
+                if nid in skeyed2:
+                    slru2.add(node)
+            node = node.parent
         res.node = cur
         return res
 

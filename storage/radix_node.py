@@ -45,10 +45,12 @@ class Node:
         self.keys = keys
         self.tokens = tokens
         self.depth = depth
-        self.l1: dict[str, Optional[list[int]]] = {c: None for c in COMPONENTS}
-        self.l2: dict[str, Optional[list[int]]] = {c: None for c in COMPONENTS}
-        self.l3: dict[str, bool] = {c: False for c in COMPONENTS}
-        self.lock: dict[str, int] = {c: 0 for c in COMPONENTS}
+        # Literals, not comprehensions over COMPONENTS: every insert builds nodes, and a comprehension
+        # costs a frame each.
+        self.l1: dict[str, Optional[list[int]]] = {FULL: None, SWA: None}
+        self.l2: dict[str, Optional[list[int]]] = {FULL: None, SWA: None}
+        self.l3: dict[str, bool] = {FULL: False, SWA: False}
+        self.lock: dict[str, int] = {FULL: 0, SWA: 0}
         self.swa_lock_starts: dict[int, int] = {}   # window start page -> SWA locks (> 0)
         self.last_access = now
         # SWA recency apart from full: a match or insert refreshes SWA only inside the window before its
@@ -150,7 +152,9 @@ class MatchResult:
     pages: L1 is closed towards the root), then ``full_l2`` from L2 and ``full_l3`` from L3 only
     (those two may interleave). ``swa_window`` = min(window, m) pages need SWA data, of which
     ``swa_l1`` / ``swa_l2`` / ``swa_l3`` are served from each tier. ``l1_full`` are the L1 indices of the
-    first ``full_l1`` pages; ``l1_swa`` is aligned with the m pages (None where not in L1 SWA).
+    first ``full_l1`` pages; ``l1_swa`` is aligned with the m pages: the L1 SWA pages of the window (the
+    last ``swa_window``), None before it and where the window's data is not in L1 (no request reads SWA
+    data out of its window, so a match does not gather it).
     ``matched_pages`` is how far the keys matched before the SWA cut (>= m).
     """
 

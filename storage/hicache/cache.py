@@ -138,13 +138,7 @@ class HiCache:
             self.stats["loadback"]["deferred"] += 1
             hit.deferred = True
             return hit
-        m = hit.num_pages
-        if self.has_swa:
-            lo = m - self.tree.window_pages
-            if lo > 0:
-                hit.swa_pages = [None] * lo + res.l1_swa[lo:]
-        else:
-            hit.swa_pages = [None] * m
+        m = hit.num_pages   # hit.swa_pages is the match's l1_swa: the window's pages, None before it
         hit.tokens_by_tier = {"L1": m * self.page_size, "L2": 0, "L3": 0}
         if prefetch is not None:
             hit = self._take_prefetch(prefetch, hit, now)

@@ -70,8 +70,10 @@ def test_write_policies_under_l1_pressure_keep_tokens_exact(policy):
     and the tokens never change."""
     convs = [_conversation_turns(10 + i, 3, 150, 20) for i in range(6)]
     ref_eng = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=400, max_batch_tokens=128)
+    # Plain LRU: it evicts each conversation just before it comes back, so hits must come from L2 (the
+    # default, segmented LRU, keeps these six in L1 and would not exercise the write policy at all).
     eng = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=64, max_batch_tokens=128,
-                                 enable_prefix_cache=True, poison_kv=True,
+                                 enable_prefix_cache=True, poison_kv=True, prefix_eviction="lru",
                                  hicache=HiCacheConfig(host_pages=256, write_policy=policy,
                                                        write_through_threshold=1))
     prompts = [[] for _ in convs]

@@ -184,7 +184,7 @@ def test_match_splits_mid_node_and_touches_path():
     t.insert(k, list(range(6)), list(range(6)), now=1)
     m = t.match_prefix(k[:3], now=7)
     assert m.num_pages == 3 and m.node.end == 3 and t.num_nodes == 2
-    assert m.l1_full == [0, 1, 2] and m.l1_swa == [0, 1, 2] and m.full_l1 == 3
+    assert m.l1_full == [0, 1, 2] and m.l1_swa == [None, 1, 2] and m.full_l1 == 3   # SWA: the window only
     assert (m.node.last_access, m.node.hit_count) == (7, 1)
     lower = next(iter(m.node.children.values()))
     assert (lower.last_access, lower.hit_count) == (1, 0)
