@@ -4,6 +4,9 @@ a cProfile summary of where the time goes. Writes bench/results/tree.json.
 
     python -m bench.tree [--quick]
 
+The engine's default path is "hicache slru" (``engine.prefix_eviction: slru``); "tree" and "hicache"
+are plain LRU, the policy SGLang's tree applies.
+
 Workload: 100 conversations x 6 rounds, page 16, window 128, random tokens over a 32,000 vocabulary
 (seeded). The first prompt is uniform in 512..1024 tokens, each later one adds uniform 204..409 tokens
 (both cut to whole pages); round by round, conversations in shuffled order. The full pool holds 3/4 of

@@ -32,6 +32,10 @@ Rules (checked by ``check_integrity``, see storage/radix_check.py):
 * **Eviction** of (c, tier) from a node drops that copy. Full: if no other full copy is left the node
   and its subtree are removed (``on_evict`` lets a write-back controller back it up first). SWA: the
   node stays, tombstoned if no other SWA copy is left.
+* **Joining.** A node that becomes a SWA tombstone is joined with its parent and its only child where
+  they are alike (unlocked, tombstones, full data in the same tiers, the same recency; radix_tiers.py):
+  a conversation's stale windows would otherwise leave its path cut into two nodes per turn. Like a
+  split, a join changes no data and emits no event; the lower node object stays.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ from typing import Optional, Sequence
 
 from storage.hashing import DEFAULT_SEED, Seed, SequenceKeys, page_keys, root_key
 from storage.radix_check import check_tree
+from storage.radix_locks import LockOps
 from storage.radix_lru import SLRU_PROTECTED, LRUIndex
 from storage.radix_node import (COMPONENTS, FULL, L1, L2, L3, PAGE_TIERS, SWA, TIERS, Freed, InsertResult,
                                 KVEvent, MatchResult, Node)
@@ -52,7 +57,7 @@ EVICTIONS = ("lru", "slru")
 """Order of the full LRU lists: plain LRU, or segmented LRU (never-reused data first; radix_lru.py)."""
 
 
-class RadixTree(WalkOps, TierOps, ReadOps):
+class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
     """Page-granular radix tree over page keys (storage/hashing.py).
 
     ``window_pages`` (W) is how many pages before a match point must hold SWA data for the match to be
@@ -269,12 +274,6 @@ class RadixTree(WalkOps, TierOps, ReadOps):
                 locks[(SWA, last)] = locks.get((SWA, last), 0) + 1
         return res
 
-    def _lock_both(self, node: Node) -> None:
-        """``lock(node, FULL)``, then SWA when the tree has a window (what ``match_prefix(lock=True)`` takes)."""
-        self.lock(node, FULL)
-        if self.window_pages:
-            self.lock(node, SWA)
-
     def insert(self, keys: Sequence[bytes], full_pages: Sequence[int],
                swa_pages: Optional[Sequence[Optional[int]]] = None, *, now: float,
                tokens: Optional[Sequence[int]] = None) -> InsertResult:
@@ -371,83 +370,6 @@ class RadixTree(WalkOps, TierOps, ReadOps):
         if node is self.root or not 0 < k < node.num_pages:
             raise ValueError(f"cannot split {node!r} after {k} pages")
         return self._split(node, k)
-
-    # ------------------------------------------------------------------ locks
-
-    def _check_live(self, node: Node) -> None:
-        if node.removed or (node is not self.root and node.parent is None):
-            raise ValueError(f"{node!r} is not in the tree")
-
-    def lock(self, node: Node, component: str) -> None:
-        """Pin ``node``'s data of ``component`` (see the module doc for the extent of a lock)."""
-        self._check_live(node)
-        if component == FULL:
-            x, root = node, self.root
-            lru1, lru2 = self._full_lrus
-            keyed1, keyed2 = lru1._key, lru2._key
-            while x is not root:
-                lk = x.lock
-                lk[FULL] += 1
-                if lk[FULL] == 1:   # _refresh of a locked node, inlined: it leaves both full lists
-                    if x.id in keyed1:
-                        lru1.discard(x)
-                    if x.id in keyed2:
-                        lru2.discard(x)
-                x = x.parent
-        elif component == SWA:
-            if node is not self.root and node.lock[FULL] == 0:
-                raise ValueError(f"lock {FULL} before {SWA}: {node!r}")
-            start, x, top = self.swa_window_start(node), node, None
-            lru1, lru2 = self._lru[(SWA, L1)], self._lru[(SWA, L2)]
-            while x is not self.root and x.end > start:
-                lk = x.lock
-                lk[SWA] += 1
-                if lk[SWA] == 1:   # _refresh of a locked node, inlined: it leaves both SWA lists
-                    if x.id in lru1._key:
-                        lru1.discard(x)
-                    if x.id in lru2._key:
-                        lru2.discard(x)
-                top, x = x, x.parent
-            if top is not None:
-                # Remembered where the window starts so a later split of `top` knows which half it covers.
-                top.swa_lock_starts[start] = top.swa_lock_starts.get(start, 0) + 1
-        else:
-            raise ValueError(f"unknown component {component!r}")
-        locks = self._locks
-        locks[(component, node)] = locks.get((component, node), 0) + 1
-
-    def unlock(self, node: Node, component: str) -> None:
-        """Undo one ``lock(node, component)``; raises ValueError if none is held (never negative)."""
-        if component not in COMPONENTS:
-            raise ValueError(f"unknown component {component!r}")
-        if self._locks.get((component, node), 0) <= 0:
-            raise ValueError(f"{node!r} holds no {component} lock")
-        if component == FULL:
-            x = node
-            while x is not self.root:
-                if x.lock[FULL] == 1 and x.lock[SWA] > 0:
-                    raise ValueError(f"unlock {SWA} before {FULL}: {x!r} is still {SWA}-locked")
-                x = x.parent
-            x = node
-            while x is not self.root:
-                x.lock[FULL] -= 1
-                if x.lock[FULL] == 0:
-                    self._refresh(x, FULL)
-                x = x.parent
-        else:
-            start, x, top = self.swa_window_start(node), node, None
-            while x is not self.root and x.end > start:
-                x.lock[SWA] -= 1
-                if x.lock[SWA] == 0:
-                    self._refresh(x, SWA)
-                top, x = x, x.parent
-            if top is not None:
-                top.swa_lock_starts[start] -= 1
-                if top.swa_lock_starts[start] == 0:
-                    del top.swa_lock_starts[start]
-        self._locks[(component, node)] -= 1
-        if self._locks[(component, node)] == 0:
-            del self._locks[(component, node)]
 
     # ------------------------------------------------------------------ internals
 

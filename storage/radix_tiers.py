@@ -58,7 +58,57 @@ class TierOps:
             self._set(node, component, tier, None)
             if component == FULL and not node.has_any(FULL):
                 self._remove_subtree(node, freed)
+            elif component == SWA and not node.has_any(SWA):
+                self._merge_around(node)
         return freed
+
+    # ------------------------------------------------------------------ path compression
+
+    def _merge_around(self, node: Node) -> None:
+        """``node`` just became a SWA tombstone: join it with its parent and its only child where they
+        are alike (``_alike``). Each turn of a conversation inserts two nodes (the pages before its last
+        window, the window); once a stale window loses its SWA data, the turn's two nodes and the next
+        turn's first are one run of full-only pages, and a walk over three nodes costs three steps.
+        Nothing a caller holds is affected: only unlocked nodes are joined, the lower node object stays
+        (as a split keeps it), no data changes and no event is emitted."""
+        parent = node.parent
+        if self._alike(parent, node):
+            self._join(parent, node)
+        if len(node.children) == 1:
+            (child,) = node.children.values()
+            if self._alike(node, child):
+                self._join(node, child)
+
+    def _alike(self, upper: Node, lower: Node) -> bool:
+        """Whether ``lower`` may absorb ``upper`` (its parent): upper's only child, both unlocked, both
+        SWA tombstones, full data in the same tiers (L1 in both), the same recency and SLRU segment."""
+        return (upper is not self.root and len(upper.children) == 1 and not upper.removed
+                and not (upper.lock[FULL] or upper.lock[SWA] or lower.lock[FULL] or lower.lock[SWA])
+                and not upper.has_any(SWA) and not lower.has_any(SWA)
+                and upper.l1[FULL] is not None and lower.l1[FULL] is not None
+                and (upper.l2[FULL] is None) == (lower.l2[FULL] is None) and upper.l3[FULL] == lower.l3[FULL]
+                and upper.last_access == lower.last_access
+                and (upper.hit_count > upper.demoted_hits) == (lower.hit_count > lower.demoted_hits))
+
+    def _join(self, upper: Node, lower: Node) -> None:
+        """``lower`` absorbs ``upper`` (see ``_merge_around``); ``upper`` leaves the tree."""
+        old_pages, parent = lower.num_pages, upper.parent
+        lower.keys = upper.keys + lower.keys
+        lower.tokens = upper.tokens + lower.tokens if upper.tokens and lower.tokens else None
+        lower.depth = upper.depth
+        lower.l1[FULL] = upper.l1[FULL] + lower.l1[FULL]
+        if lower.l2[FULL] is not None:
+            lower.l2[FULL] = upper.l2[FULL] + lower.l2[FULL]
+        lower.hit_count = max(upper.hit_count, lower.hit_count)
+        lower.demoted_hits = max(upper.demoted_hits, lower.demoted_hits)
+        parent.children[upper.keys[0]] = lower
+        lower.parent = parent
+        upper.children = {}
+        upper.removed, upper.parent = True, None
+        for lru in self._lru.values():
+            lru.discard(upper)
+            lru.resize(lower, old_pages)
+        self.num_nodes -= 1
 
     def flush(self) -> Freed:
         """Remove every node; returns all their pages. Raises RuntimeError while any lock is held."""

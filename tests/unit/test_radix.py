@@ -79,10 +79,61 @@ def test_insert_adopts_swa_into_tombstone():
     t, k = tree_and_keys(4)
     t.insert(k, [0, 1, 2, 3], swa_last(4, [0, 1]), now=1)
     assert sorted(t.evict(SWA, L1, 2)[SWA, L1]) == [0, 1]  # tombstone: full stays
-    assert t.num_nodes == 2 and t.match_prefix(k, now=2).num_pages == 0
+    # the tombstone is joined with the full-only node above it (same data, same recency)
+    assert t.num_nodes == 1 and t.match_prefix(k, now=2).num_pages == 0
     r = t.insert(k, [0, 1, 2, 3], [None, None, None, 7], now=3)  # only one page: node is split
     assert r.free_swa == [] and t.all_pages(SWA, L1) == [7]
     assert t.match_prefix(k, now=4, window_pages=1).num_pages == 4
+    t.check_integrity()
+
+
+def _two_turns(t, k):
+    """Turn 0 (4 pages) then turn 1 (8 pages), each finishing with its last window in SWA: nodes
+    [0,2) tombstone, [2,4) turn 0's window, [4,6) tombstone, [6,8) turn 1's window."""
+    t.insert(k[:4], [0, 1, 2, 3], swa_last(4, [0, 1]), now=1)
+    t.insert(k, list(range(8)), swa_last(8, [6, 7]), now=2)
+    assert t.num_nodes == 4
+    t.check_integrity()
+
+
+def test_a_stale_window_losing_swa_joins_its_neighbours():
+    t, k = tree_and_keys(8)
+    _two_turns(t, k)
+    events = len(t.take_events())
+    assert sorted(t.evict(SWA, L1, 2)[SWA, L1]) == [0, 1]   # turn 0's window is the stale one
+    t.check_integrity()
+    assert t.num_nodes == 2 and [n.num_pages for n in t.root.children.values()] == [6]
+    m = t.match_prefix(k, now=3)
+    assert m.num_pages == 8 and m.l1_full == list(range(8)) and m.l1_swa == [None] * 6 + [6, 7]
+    assert events > 0
+    t.check_integrity()
+
+
+def test_joining_only_emits_the_swa_removal():
+    t, k = tree_and_keys(8)
+    _two_turns(t, k)
+    t.take_events()
+    t.evict(SWA, L1, 2)
+    assert [(e.kind, e.tier, e.component, len(e.page_keys)) for e in t.take_events()] == [("removed", L1, SWA, 2)]
+
+
+def test_locked_or_differently_recent_nodes_are_not_joined():
+    t, k = tree_and_keys(8)
+    _two_turns(t, k)
+    top = next(iter(t.root.children.values()))
+    t.lock(top, FULL)   # a request holds [0, 2): it stays a node of its own
+    t.evict(SWA, L1, 2)
+    assert t.num_nodes == 3
+    t.unlock(top, FULL)
+    t.check_integrity()
+
+    t, k = tree_and_keys(8)
+    _two_turns(t, k)
+    t.match_prefix(k[:2], now=5, window_pages=0)   # [0, 2) seen again: more recent than the rest
+    t.evict(SWA, L1, 2)   # turn 0's window: joins [4, 6) below it, not [0, 2) above
+    (top,) = t.root.children.values()
+    (mid,) = top.children.values()
+    assert t.num_nodes == 3 and (top.num_pages, mid.num_pages) == (2, 4)
     t.check_integrity()
 
 
