@@ -140,29 +140,14 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
         nodes: list[Node] = []   # the walked path; only its last node may be matched in part
         cur, i, root = self.root, 0, self.root
         by_tokens = isinstance(keys, SequenceKeys) and keys.page_size == self.page_size
-        n_keys, ps = len(keys), self.page_size
-        toks = keys.tokens if by_tokens else None
-        step = self._step
+        n_keys, step = len(keys), self._step
         # m may only end right after a SWA-present run that is >= W long or starts at page 0: ``best``
         # is the last such node of the path, found during the walk.
         best, run_start = -1, None
         while i < n_keys:
-            children = cur.children
-            child = None
-            if by_tokens and len(children) == 1 and cur is not root:
-                # One way on (a conversation's next turn), _step's common case inlined: the whole edge
-                # equal to the tokens.
-                for ch in children.values():
-                    ct, k = ch.tokens, len(ch.keys)
-                    if ct is not None and i + k <= n_keys and toks[i * ps:(i + k) * ps] == ct:
-                        known = len(keys._keys)
-                        if i <= known < i + k:
-                            keys._keys += ch.keys[known - i:]
-                        child = ch
+            child, k = step(cur, keys, i, by_tokens, n_keys)
             if child is None:
-                child, k = step(cur, keys, i, by_tokens, n_keys)
-                if child is None:
-                    break
+                break
             if child.l1[SWA] is not None or child.l2[SWA] is not None or child.l3[SWA]:
                 if run_start is None:
                     run_start = child.depth
