@@ -42,15 +42,16 @@ from __future__ import annotations
 from collections import Counter
 from typing import Optional, Sequence
 
-from storage.hashing import DEFAULT_SEED, Seed, SequenceKeys, page_keys, root_key
+from storage.hashing import DEFAULT_SEED, Seed, page_keys, root_key
 from storage.radix_check import check_tree
 from storage.radix_locks import LockOps
 from storage.radix_lru import SLRU_PROTECTED, LRUIndex
 from storage.radix_node import (COMPONENTS, FULL, L1, L2, L3, PAGE_TIERS, SWA, TIERS, Freed, InsertResult,
-                                KVEvent, MatchResult, Node)
+                                KVEvent, MatchResult, Node, SLOT)
 from storage.radix_tiers import OnEvict, TierOps
 from storage.radix_view import ReadOps
 from storage.radix_walk import WalkOps, _run
+from storage.sequence_keys import SequenceKeys
 
 
 EVICTIONS = ("lru", "slru")
@@ -81,8 +82,8 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
         # SLRU orders the full lists only: SWA recency already follows the live window (module doc).
         protect = SLRU_PROTECTED if eviction == "slru" else 0.0
         self._lru = {(c, t): LRUIndex(f"{c}/{t}", "last_access" if c == FULL else "swa_access",
-                                      protect if c == FULL else 0.0)
-                     for c in COMPONENTS for t in PAGE_TIERS}
+                                      protect if c == FULL else 0.0, 1 << i)
+                     for i, (c, t) in enumerate((c, t) for c in COMPONENTS for t in PAGE_TIERS)}
         self._full_lrus = tuple(self._lru[(FULL, t)] for t in PAGE_TIERS)
         self._lrus_of = {c: (self._lru[(c, L1)], self._lru[(c, L2)]) for c in COMPONENTS}
         self._locks: Counter[tuple[str, Node]] = Counter()  # (component, node) -> lock() calls held
@@ -103,7 +104,7 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
         return page_keys(tokens, self.page_size, seed=self.seed, salt=salt)
 
     def sequence_keys(self, tokens, num_pages: Optional[int] = None, salt: Seed | None = None) -> SequenceKeys:
-        """The same keys computed lazily (storage/hashing.py SequenceKeys): pass it to ``match_prefix``
+        """The same keys computed lazily (storage/sequence_keys.py): pass it to ``match_prefix``
         and ``insert`` and the pages the tree recognises by their tokens are not hashed."""
         if salt is None and type(tokens) is list and num_pages is not None \
                 and type(num_pages) is int and 0 <= num_pages <= len(tokens) // self.page_size:
@@ -148,7 +149,7 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
             child, k = step(cur, keys, i, by_tokens, n_keys)
             if child is None:
                 break
-            if child.l1[SWA] is not None or child.l2[SWA] is not None or child.l3[SWA]:
+            if child.l1_swa is not None or child.l2_swa is not None or child.l3_swa:
                 if run_start is None:
                     run_start = child.depth
                 if w == 0 or run_start == 0 or i + k - run_start >= w:
@@ -179,30 +180,29 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
         res.node, res.nodes, res.num_pages = last, nodes, m
         full_l1, l1_full = 0, res.l1_full
         lru1, lru2 = self._full_lrus
-        keyed1, keyed2 = lru1._key, lru2._key
+        bit1, bit2 = lru1.bit, lru2.bit
         for n in nodes:  # the hot loop of every request: attribute reads inlined
-            pages = n.l1[FULL]
+            pages = n.l1_full
             if pages is not None:
                 full_l1 += len(pages)
                 l1_full += pages
-            elif n.l2[FULL] is not None:
+            elif n.l2_full is not None:
                 res.full_l2 += len(n.keys)
             else:
                 res.full_l3 += len(n.keys)
             n.last_access = now
             n.hit_count += 1
             if fuse:   # lock(last, FULL) inlined: a locked node leaves both full lists
-                lk = n.lock
-                lk[FULL] += 1
-                if lk[FULL] == 1:
-                    if n.id in keyed1:
+                n.lock_full += 1
+                if n.lock_full == 1:
+                    if n.lru_in & bit1:
                         lru1.discard(n)
-                    if n.id in keyed2:
+                    if n.lru_in & bit2:
                         lru2.discard(n)
             else:
-                if n.id in keyed1:   # LRUIndex.touch, for the members only
+                if n.lru_in & bit1:   # LRUIndex.touch, for the members only
                     lru1.add(n)
-                if n.id in keyed2:
+                if n.lru_in & bit2:
                     lru2.add(n)
         res.full_l1 = full_l1
         res.swa_window = left = min(w, m)
@@ -212,20 +212,20 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
         # inlined). All cover the last min(W, m) pages: the nodes ending after m - W.
         s1 = s2 = s3 = 0
         lru1, lru2 = self._lrus_of[SWA]
-        keyed1, keyed2 = lru1._key, lru2._key
+        bit1, bit2 = lru1.bit, lru2.bit
         window: list = []   # the window's L1 SWA pages, last node first
         for n in reversed(nodes):
             if left <= 0:
                 break
             nk = len(n.keys)
             take = left if left < nk else nk
-            swa = n.l1[SWA]
+            swa = n.l1_swa
             if swa is not None:   # never a tombstone: the window is inside a SWA run
                 s1 += take
                 window.append(swa if take == nk else swa[nk - take:])
             else:
                 window.append([None] * take)
-                if n.l2[SWA] is not None:
+                if n.l2_swa is not None:
                     s2 += take
                 else:
                     s3 += take
@@ -233,18 +233,17 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
             if w == self.window_pages:
                 n.swa_access = now
                 if fuse:   # lock(last, SWA) inlined: the window's nodes are the ones it covers
-                    lk = n.lock
-                    lk[SWA] += 1
-                    if lk[SWA] == 1:
-                        if n.id in keyed1:
+                    n.lock_swa += 1
+                    if n.lock_swa == 1:
+                        if n.lru_in & bit1:
                             lru1.discard(n)
-                        if n.id in keyed2:
+                        if n.lru_in & bit2:
                             lru2.discard(n)
                     top = n
                 else:
-                    if n.id in keyed1:
+                    if n.lru_in & bit1:
                         lru1.add(n)
-                    if n.id in keyed2:
+                    if n.lru_in & bit2:
                         lru2.add(n)
         l1_swa = res.l1_swa = [None] * (m - res.swa_window)
         for part in reversed(window):
@@ -291,7 +290,7 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
             child, cut = self._step(cur, keys, i, by_tokens, n)
             if child is None:
                 break
-            if child.l1[SWA] is None:  # adopting SWA pages must cover the whole node: cut at run ends
+            if child.l1_swa is None:  # adopting SWA pages must cover the whole node: cut at run ends
                 cut = min(cut, _run(swa, i, i + cut))
             if cut < child.num_pages:
                 child = self._split(child, cut)
@@ -302,7 +301,7 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
             r = _run(swa, i, n)
             ps = self.page_size
             node = Node(cur, list(keys[i:i + r]), i, toks[i * ps:(i + r) * ps] if toks else None, now)
-            cur.children[node.keys[0]] = node
+            cur.attach(node)
             self.num_nodes += 1
             self._set(node, FULL, L1, full[i:i + r])
             if swa[i] is not None:
@@ -311,23 +310,23 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
         # Recency, bottom up in one pass: the whole path for full, the window before its end for SWA
         # (LRUIndex.touch and _touch_window inlined, for the members only).
         lru1, lru2 = self._full_lrus
-        keyed1, keyed2 = lru1._key, lru2._key
+        bit1, bit2 = lru1.bit, lru2.bit
         slru1, slru2 = self._lrus_of[SWA]
-        skeyed1, skeyed2 = slru1._key, slru2._key
+        sbit1, sbit2 = slru1.bit, slru2.bit
         lo = cur.end - self.window_pages if self.window_pages else -1
         node, root = cur, self.root
         while node is not root:
             node.last_access = now
-            nid = node.id
-            if nid in keyed1:
+            inl = node.lru_in
+            if inl & bit1:
                 lru1.add(node)
-            if nid in keyed2:
+            if inl & bit2:
                 lru2.add(node)
             if node.end > lo:
                 node.swa_access = now
-                if nid in skeyed1:
+                if inl & sbit1:
                     slru1.add(node)
-                if nid in skeyed2:
+                if inl & sbit2:
                     slru2.add(node)
             node = node.parent
         res.node = cur
@@ -360,20 +359,24 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
 
     def _set(self, node: Node, c: str, tier: str, value) -> None:
         """The one place data changes: keeps sizes, events, parent counters and LRU lists exact."""
+        slot = SLOT[c, tier]
+        old = getattr(node, slot)
         if tier == L3:
-            was, now = node.l3[c], bool(value)
-            node.l3[c] = now
+            was, now = old, bool(value)
+            setattr(node, slot, now)
         else:
-            store = node.l1 if tier == L1 else node.l2
-            old = store[c]
             was, now = old is not None, value is not None
-            store[c] = value
+            setattr(node, slot, value)
             self._size[(c, tier)] += len(value or ()) - len(old or ())
         if was != now:
             self._events.append(KVEvent("stored" if now else "removed", tier, c, tuple(node.keys)))
             if c == FULL and tier != L3:
-                node.parent.child_full[tier] += 1 if now else -1
-                self._refresh(node.parent, FULL)
+                parent = node.parent
+                if tier == L1:
+                    parent.child_l1 += 1 if now else -1
+                else:
+                    parent.child_l2 += 1 if now else -1
+                self._refresh(parent, FULL)
         self._refresh(node, c)
 
     def _refresh(self, node: Node, component: Optional[str] = None) -> None:
@@ -381,23 +384,36 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
         children changed."""
         if node is self.root or node.removed:
             return
-        for c in (component,) if component is not None else COMPONENTS:
-            # The membership rule of the module doc ("LRU") for both tiers; runs on every data and lock change.
-            lru1, lru2 = self._lrus_of[c]
-            if node.lock[c]:
+        # The membership rule of the module doc ("LRU") for both tiers; runs on every data and lock change.
+        if component != SWA:
+            lru1, lru2 = self._full_lrus
+            if node.lock_full:
                 lru1.discard(node)
                 lru2.discard(node)
-                continue
-            leaf = c == SWA or not node.child_full[L1]
-            l1 = node.l1[c] is not None
-            if l1 and leaf:
+            else:
+                l1 = node.l1_full is not None
+                if l1 and not node.child_l1:
+                    lru1.add(node)
+                else:
+                    lru1.discard(node)
+                if not l1 and node.l2_full is not None and not node.child_l1 and not node.child_l2:
+                    lru2.add(node)
+                else:
+                    lru2.discard(node)
+        if component != FULL:
+            lru1, lru2 = self._lrus_of[SWA]
+            if node.lock_swa:
+                lru1.discard(node)
+                lru2.discard(node)
+            elif node.l1_swa is not None:
                 lru1.add(node)
+                lru2.discard(node)
             else:
                 lru1.discard(node)
-            if not l1 and node.l2[c] is not None and (leaf and (c == SWA or not node.child_full[L2])):
-                lru2.add(node)
-            else:
-                lru2.discard(node)
+                if node.l2_swa is not None:
+                    lru2.add(node)
+                else:
+                    lru2.discard(node)
 
     def _split(self, node: Node, k: int) -> Node:
         """Cut ``node`` after its first ``k`` pages; returns the new upper node. The original object
@@ -407,26 +423,26 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
         up = Node(parent, node.keys[:k], node.depth, node.tokens[:k * ps] if node.tokens else None,
                   node.last_access)
         up.swa_access, up.hit_count, up.demoted_hits = node.swa_access, node.hit_count, node.demoted_hits
-        for c in COMPONENTS:
-            for lo_store, up_store in ((node.l1, up.l1), (node.l2, up.l2)):
-                if lo_store[c] is not None:
-                    up_store[c], lo_store[c] = lo_store[c][:k], lo_store[c][k:]
-            up.l3[c] = node.l3[c]
+        for slot in ("l1_full", "l1_swa", "l2_full", "l2_swa"):
+            pages = getattr(node, slot)
+            if pages is not None:
+                setattr(up, slot, pages[:k])
+                setattr(node, slot, pages[k:])
+        up.l3_full, up.l3_swa = node.l3_full, node.l3_swa
         # Full locks are path locks: both halves carry them all. A SWA lock reaches the upper half iff
         # its window starts before the cut; those move their start marker up with it.
-        up.lock[FULL] = node.lock[FULL]
+        up.lock_full = node.lock_full
         keep = {st: n for st, n in node.swa_lock_starts.items() if st >= s}
         up.swa_lock_starts = {st: n for st, n in node.swa_lock_starts.items() if st < s}
-        up.lock[SWA] = node.lock[SWA] - sum(keep.values())
+        up.lock_swa = node.lock_swa - sum(keep.values())
         node.swa_lock_starts = keep
         old_pages = node.num_pages
         node.keys, node.depth = node.keys[k:], s
         node.tokens = node.tokens[k * ps:] if node.tokens else node.tokens
-        parent.children[up.keys[0]] = up
-        up.children = {node.keys[0]: node}
+        parent.replace(node, up)
+        up.attach(node)
         node.parent = up
-        for t in PAGE_TIERS:
-            up.child_full[t] = int(node.l1[FULL] is not None) if t == L1 else int(node.l2[FULL] is not None)
+        up.child_l1, up.child_l2 = int(node.l1_full is not None), int(node.l2_full is not None)
         for lru in self._lru.values():
             lru.resize(node, old_pages)
         self.num_nodes += 1

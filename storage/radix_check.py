@@ -36,6 +36,8 @@ class TreeView(Protocol):
 
     def lru_consistent(self, component: str, tier: str) -> bool: ...
 
+    def in_lru(self, node: Node, component: str, tier: str) -> bool: ...
+
 
 def _fail(msg: str) -> None:
     raise AssertionError(f"radix integrity: {msg}")
@@ -75,6 +77,8 @@ def check_tree(tree: TreeView) -> None:
     while stack:
         node = stack.pop()
         child_full = Counter()
+        if node.only is not (next(iter(node.children.values())) if len(node.children) == 1 else None):
+            _fail(f"{node!r}.only is {node.only!r} with {len(node.children)} children")
         for key, ch in node.children.items():
             n_nodes += 1
             if ch.id in ids:
@@ -173,6 +177,8 @@ def _check_lrus(tree: TreeView, live_ids: set[int]) -> None:
             want = _should_be_in_lru(node, c, t)
             if want != (node.id in members):
                 _fail(f"{node!r} {'missing from' if want else 'wrongly in'} LRU {c}/{t}")
+            if tree.in_lru(node, c, t) != (node.id in members):
+                _fail(f"{node!r}'s lru_in bits disagree with LRU {c}/{t} membership")
             if want:
                 pages += node.num_pages
         if pages != tree.evictable_pages(c, t):

@@ -40,28 +40,26 @@ class LockOps:
         if component == FULL:
             x, root = node, self.root
             lru1, lru2 = self._full_lrus
-            keyed1, keyed2 = lru1._key, lru2._key
+            bit1, bit2 = lru1.bit, lru2.bit
             while x is not root:
-                lk = x.lock
-                lk[FULL] += 1
-                if lk[FULL] == 1:   # _refresh of a locked node, inlined: it leaves both full lists
-                    if x.id in keyed1:
+                x.lock_full += 1
+                if x.lock_full == 1:   # _refresh of a locked node, inlined: it leaves both full lists
+                    if x.lru_in & bit1:
                         lru1.discard(x)
-                    if x.id in keyed2:
+                    if x.lru_in & bit2:
                         lru2.discard(x)
                 x = x.parent
         elif component == SWA:
-            if node is not self.root and node.lock[FULL] == 0:
+            if node is not self.root and node.lock_full == 0:
                 raise ValueError(f"lock {FULL} before {SWA}: {node!r}")
             start, x, top = self.swa_window_start(node), node, None
             lru1, lru2 = self._lru[(SWA, L1)], self._lru[(SWA, L2)]
             while x is not self.root and x.end > start:
-                lk = x.lock
-                lk[SWA] += 1
-                if lk[SWA] == 1:   # _refresh of a locked node, inlined: it leaves both SWA lists
-                    if x.id in lru1._key:
+                x.lock_swa += 1
+                if x.lock_swa == 1:   # _refresh of a locked node, inlined: it leaves both SWA lists
+                    if x.lru_in & lru1.bit:
                         lru1.discard(x)
-                    if x.id in lru2._key:
+                    if x.lru_in & lru2.bit:
                         lru2.discard(x)
                 top, x = x, x.parent
             if top is not None:
@@ -81,20 +79,20 @@ class LockOps:
         if component == FULL:
             x = node
             while x is not self.root:
-                if x.lock[FULL] == 1 and x.lock[SWA] > 0:
+                if x.lock_full == 1 and x.lock_swa > 0:
                     raise ValueError(f"unlock {SWA} before {FULL}: {x!r} is still {SWA}-locked")
                 x = x.parent
             x = node
             while x is not self.root:
-                x.lock[FULL] -= 1
-                if x.lock[FULL] == 0:
+                x.lock_full -= 1
+                if x.lock_full == 0:
                     self._refresh(x, FULL)
                 x = x.parent
         else:
             start, x, top = self.swa_window_start(node), node, None
             while x is not self.root and x.end > start:
-                x.lock[SWA] -= 1
-                if x.lock[SWA] == 0:
+                x.lock_swa -= 1
+                if x.lock_swa == 0:
                     self._refresh(x, SWA)
                 top, x = x, x.parent
             if top is not None:

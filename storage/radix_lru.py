@@ -37,84 +37,100 @@ def lru_key(node: Node, stamp: str = "last_access", protect: bool = False) -> _K
 class LRUIndex:
     """The set of nodes currently evictable for one (component, tier), in LRU order."""
 
-    def __init__(self, name: str, stamp: str = "last_access", protect: float = 0.0) -> None:
+    def __init__(self, name: str, stamp: str = "last_access", protect: float = 0.0, bit: int = 1) -> None:
         if not 0.0 <= protect <= 1.0:
             raise ValueError(f"protect must be in [0, 1], got {protect!r}")
+        if bit <= 0 or bit & (bit - 1):
+            raise ValueError(f"bit must be a power of two, got {bit!r}")
         self.name = name
+        # Membership is also this bit of each member's ``lru_in``: the tree asks "is it a member?" for
+        # every node of every match and insert, and a node's own slot is already in cache.
+        self.bit = bit
         self.stamp = stamp  # the Node attribute ordering this list
         self.protect = protect  # 0: plain LRU; else segmented, see the module doc
         self._prot: dict[int, int] = {}  # protected member id -> its pages
         self.protected_pages = 0
         self._pheap: list[tuple[_Key, int, Node]] = []  # the protected entries alone (demotion order)
-        # Entries are (key, seq, node); seq is unique so a re-added node's old entry (same key) is stale.
+        # Heap entries are (key, seq, node); seq is unique so a re-added node's old entry (same key) is stale.
         self._heap: list[tuple[_Key, int, Node]] = []
-        self._key: dict[int, _Key] = {}  # node id -> its current key
-        self._seq: dict[int, int] = {}  # node id -> seq of its live heap entry
+        # node id -> [its current key, seq of its live heap entry, node, pages]: one dict, so that adding
+        # or dropping a member (every match and insert does) is one hash lookup.
+        self._members: dict[int, list] = {}
         self._counter = itertools.count()
-        self._nodes: dict[int, Node] = {}
         self.num_pages = 0  # pages held by the members: what evicting everything would free
 
     def __len__(self) -> int:
-        return len(self._key)
+        return len(self._members)
 
     def __contains__(self, node: Node) -> bool:
-        return node.id in self._key
+        return bool(node.lru_in & self.bit)
 
     def members(self) -> list[Node]:
-        return list(self._nodes.values())
+        return [e[2] for e in self._members.values()]
 
     def key_of(self, node: Node) -> Optional[_Key]:
-        return self._key.get(node.id)
+        e = self._members.get(node.id)
+        return None if e is None else e[0]
 
     def add(self, node: Node) -> None:
         """Insert, or re-key after the access time (or reuse) changed (no-op when already current)."""
         prot = self.protect > 0 and node.hit_count > node.demoted_hits
         key = (prot, getattr(node, self.stamp), -node.end, node.id)
-        old = self._key.get(node.id)
-        if old == key:
-            return
-        if old is None:
-            self.num_pages += node.num_pages
-            self._nodes[node.id] = node
-        elif old[0]:
-            self.protected_pages -= self._prot.pop(node.id)
-        self._key[node.id] = key
-        seq = self._seq[node.id] = next(self._counter)
+        seq = next(self._counter)
+        e = self._members.get(node.id)
+        if e is None:
+            e = self._members[node.id] = [key, seq, node, node.num_pages]
+            self.num_pages += e[3]
+            node.lru_in |= self.bit
+        else:
+            if e[0] == key:
+                return
+            if e[0][0]:
+                self.protected_pages -= self._prot.pop(node.id)
+            e[0], e[1] = key, seq
         heapq.heappush(self._heap, (key, seq, node))
         if prot:
-            self._prot[node.id] = node.num_pages
-            self.protected_pages += node.num_pages
+            self._prot[node.id] = e[3]
+            self.protected_pages += e[3]
             heapq.heappush(self._pheap, (key, seq, node))
         self._maybe_compact()
 
     def touch(self, node: Node) -> None:
         """Re-key a member whose access time changed; nothing for a non-member (cheaper than asking
         the tree whether it belongs, which only data, lock and children changes can alter)."""
-        if node.id in self._key:
+        if node.lru_in & self.bit:
             self.add(node)
 
     def discard(self, node: Node) -> None:
-        if self._key.pop(node.id, None) is not None:
-            del self._seq[node.id]
-            del self._nodes[node.id]
-            self.num_pages -= node.num_pages
-            if node.id in self._prot:
+        e = self._members.pop(node.id, None)
+        if e is not None:
+            node.lru_in &= ~self.bit
+            self.num_pages -= e[3]
+            if e[0][0]:
                 self.protected_pages -= self._prot.pop(node.id)
 
     def resize(self, node: Node, old_pages: int) -> None:
-        """A member was split: its page count changed from ``old_pages``."""
-        if node.id in self._key:
-            self.num_pages += node.num_pages - old_pages
-            if node.id in self._prot:
-                self.protected_pages += node.num_pages - old_pages
-                self._prot[node.id] = node.num_pages
+        """A member was split or joined: its page count changed from ``old_pages``."""
+        e = self._members.get(node.id)
+        if e is not None:
+            e[3] = node.num_pages
+            self.num_pages += e[3] - old_pages
+            if e[0][0]:
+                self.protected_pages += e[3] - old_pages
+                self._prot[node.id] = e[3]
+
+    def _live(self, seq: int, node: Node) -> Optional[list]:
+        """The member entry a heap entry with this seq stands for, or None when the heap entry is stale."""
+        e = self._members.get(node.id)
+        return e if e is not None and e[1] == seq else None
 
     def _demote_over_cap(self) -> None:
         """Segmented: demote the least recent protected members while they hold more than their share."""
         # self._pheap each time round: add() may compact it into a new list.
         while self.protected_pages > self.protect * self.num_pages and self._pheap:
             _, seq, node = heapq.heappop(self._pheap)
-            if self._seq.get(node.id) == seq and node.id in self._prot:
+            e = self._live(seq, node)
+            if e is not None and e[0][0]:
                 node.demoted_hits = node.hit_count
                 self.add(node)   # re-keyed unprotected
         self._maybe_compact()
@@ -127,7 +143,7 @@ class LRUIndex:
         heap = self._heap
         while heap:
             _, seq, node = heap[0]
-            if self._seq.get(node.id) == seq:
+            if self._live(seq, node) is not None:
                 return node
             heapq.heappop(heap)
         return None
@@ -138,24 +154,29 @@ class LRUIndex:
         prot = self.protect > 0
         if prot and self.protected_pages > self.protect * self.num_pages:
             self._demote_over_cap()
-        return iter(sorted(self._nodes.values(), key=lambda n: lru_key(n, self.stamp, prot)))
+        return iter(sorted(self.members(), key=lambda n: lru_key(n, self.stamp, prot)))
 
     def _maybe_compact(self) -> None:
         """Drop stale entries once they outnumber live ones (both heaps: a long-running server re-keys
         its members on every touch)."""
-        if len(self._heap) > 2 * len(self._key) + 64:
-            self._heap = [(k, self._seq[i], self._nodes[i]) for i, k in self._key.items()]
+        if len(self._heap) > 2 * len(self._members) + 64:
+            self._heap = [(e[0], e[1], e[2]) for e in self._members.values()]
             heapq.heapify(self._heap)
         if len(self._pheap) > 2 * len(self._prot) + 64:
-            self._pheap = [(self._key[i], self._seq[i], self._nodes[i]) for i in self._prot]
+            self._pheap = [(e[0], e[1], e[2]) for e in map(self._members.__getitem__, self._prot)]
             heapq.heapify(self._pheap)
 
     def consistent(self) -> bool:
-        """Every member has exactly one live heap entry, keyed by its current key (check_integrity)."""
-        live = [(n.id, k) for k, seq, n in self._heap if self._seq.get(n.id) == seq]
+        """Every member has exactly one live heap entry, keyed by its current key, its own bit set and its
+        page count right (check_integrity)."""
+        live = [(n.id, k) for k, seq, n in self._heap if self._live(seq, n) is not None]
         prot = self.protect > 0
-        protected = {i: self._nodes[i].num_pages for i, k in self._key.items() if k[0]}
-        return (len(live) == len(self._key) and len({i for i, _ in live}) == len(live)
-                and all(self._key[i] == k == lru_key(self._nodes[i], self.stamp, prot) for i, k in live)
+        members = self._members
+        protected = {i: e[3] for i, e in members.items() if e[0][0]}
+        return (len(live) == len(members) and len({i for i, _ in live}) == len(live)
+                and all(members[i][0] == k == lru_key(members[i][2], self.stamp, prot) for i, k in live)
+                and all(e[2].lru_in & self.bit and e[2].id == i and e[3] == e[2].num_pages
+                        for i, e in members.items())
                 and protected == self._prot and self.protected_pages == sum(protected.values())
-                and set(self._prot) <= {n.id for k, seq, n in self._pheap if self._seq.get(n.id) == seq})
+                and self.num_pages == sum(e[3] for e in members.values())
+                and set(self._prot) <= {n.id for k, seq, n in self._pheap if self._live(seq, n) is not None})

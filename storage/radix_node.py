@@ -24,33 +24,67 @@ __all__ = ["COMPONENTS", "FULL", "SWA", "L1", "L2", "L3", "TIERS", "PAGE_TIERS",
 _ids = itertools.count()
 
 
-class Node:
-    """One edge of the tree: a run of ``len(keys) >= 1`` whole pages starting at page ``depth``.
+class _PerKey:
+    """``node.l1[c]``, ``node.lock[c]``, ``node.child_full[t]``...: a view on two of a node's slots, for code
+    generic over the component or tier. The tree's hot paths read the slots themselves (``l1_full``):
+    a dict per node and tier was a pointer chase per read, and most of a match's time was memory."""
 
-    Per component ``c``: ``l1[c]`` / ``l2[c]`` are lists of ``len(keys)`` page indices or None (data
-    presence is all-or-nothing per node), ``l3[c]`` is a flag, ``lock[c]`` a count. ``swa_lock_starts``
-    counts the SWA locks whose window starts inside this node (see RadixTree.lock). ``child_full[t]``
-    counts the children holding full data in page tier ``t`` (for the leaf test of eviction).
+    __slots__ = ("_node", "_names")
+
+    def __init__(self, node: "Node", names: dict[str, str]) -> None:
+        self._node, self._names = node, names
+
+    def __getitem__(self, key: str):
+        return getattr(self._node, self._names[key])
+
+    def __setitem__(self, key: str, value) -> None:
+        setattr(self._node, self._names[key], value)
+
+    def __repr__(self) -> str:
+        return repr({k: self[k] for k in self._names})
+
+
+def _view(names: dict[str, str], doc: str) -> property:
+    return property(lambda node: _PerKey(node, names), doc=doc)
+
+
+SLOT = {(FULL, L1): "l1_full", (SWA, L1): "l1_swa", (FULL, L2): "l2_full", (SWA, L2): "l2_swa",
+        (FULL, L3): "l3_full", (SWA, L3): "l3_swa"}
+"""(component, tier) -> the Node slot holding that data (page indices for L1/L2, a flag for L3)."""
+LOCK_SLOT = {FULL: "lock_full", SWA: "lock_swa"}
+
+
+class Node:
+    """One edge of the tree: a run of ``len(keys) >= 1`` whole pages starting at page ``depth``. ``keys``
+    and ``tokens`` are replaced, never changed in place (a request's SequenceKeys borrows the list).
+
+    Per component ``c`` and tier: ``l1_full`` / ``l1_swa`` / ``l2_full`` / ``l2_swa`` are lists of
+    ``len(keys)`` page indices or None (data presence is all-or-nothing per node), ``l3_full`` /
+    ``l3_swa`` flags, ``lock_full`` / ``lock_swa`` counts (``node.l1[c]``, ``node.lock[c]``... read and
+    write them by component). ``swa_lock_starts`` counts the SWA locks whose window starts inside this
+    node (see RadixTree.lock). ``child_l1`` / ``child_l2`` (``child_full[t]``) count the children
+    holding full data in that page tier (for the leaf test of eviction).
     """
 
-    __slots__ = ("id", "parent", "children", "keys", "tokens", "depth", "l1", "l2", "l3", "lock",
-                 "swa_lock_starts", "last_access", "swa_access", "hit_count", "demoted_hits", "child_full",
-                 "removed")
+    __slots__ = ("id", "parent", "children", "keys", "tokens", "depth", "l1_full", "l1_swa", "l2_full",
+                 "l2_swa", "l3_full", "l3_swa", "lock_full", "lock_swa", "swa_lock_starts", "last_access",
+                 "swa_access", "hit_count", "demoted_hits", "child_l1", "child_l2", "removed", "lru_in", "only")
 
     def __init__(self, parent: Optional["Node"], keys: list[bytes], depth: int,
                  tokens: Optional[list[int]] = None, now: float = 0.0) -> None:
         self.id = next(_ids)
         self.parent = parent
-        self.children: dict[bytes, Node] = {}
+        self.children: dict[bytes, Node] = {}   # changed only through attach / detach / replace
+        self.only: Optional[Node] = None        # the child when there is exactly one (a walk's common case)
         self.keys = keys
         self.tokens = tokens
         self.depth = depth
-        # Literals, not comprehensions over COMPONENTS: every insert builds nodes, and a comprehension
-        # costs a frame each.
-        self.l1: dict[str, Optional[list[int]]] = {FULL: None, SWA: None}
-        self.l2: dict[str, Optional[list[int]]] = {FULL: None, SWA: None}
-        self.l3: dict[str, bool] = {FULL: False, SWA: False}
-        self.lock: dict[str, int] = {FULL: 0, SWA: 0}
+        self.l1_full: Optional[list[int]] = None
+        self.l1_swa: Optional[list[int]] = None
+        self.l2_full: Optional[list[int]] = None
+        self.l2_swa: Optional[list[int]] = None
+        self.l3_full = self.l3_swa = False
+        self.lock_full = self.lock_swa = 0
         self.swa_lock_starts: dict[int, int] = {}   # window start page -> SWA locks (> 0)
         self.last_access = now
         # SWA recency apart from full: a match or insert refreshes SWA only inside the window before its
@@ -58,8 +92,32 @@ class Node:
         self.swa_access = now
         self.hit_count = 0
         self.demoted_hits = 0   # hit_count when segmented LRU last demoted it (radix_lru.py)
-        self.child_full: dict[str, int] = {L1: 0, L2: 0}
+        self.child_l1 = self.child_l2 = 0
         self.removed = False
+        self.lru_in = 0   # bit i: a member of the tree's LRU list i (radix_lru.py LRUIndex.bit)
+
+    l1 = _view({FULL: "l1_full", SWA: "l1_swa"}, "L1 page indices by component.")
+    l2 = _view({FULL: "l2_full", SWA: "l2_swa"}, "L2 page indices by component.")
+    l3 = _view({FULL: "l3_full", SWA: "l3_swa"}, "L3 presence by component.")
+    lock = _view(LOCK_SLOT, "Lock counts by component.")
+    child_full = _view({L1: "child_l1", L2: "child_l2"}, "Children holding full data, by page tier.")
+
+    def attach(self, child: "Node") -> None:
+        """Add ``child`` under its first page key."""
+        children = self.children
+        children[child.keys[0]] = child
+        self.only = child if len(children) == 1 else None
+
+    def detach(self, child: "Node") -> None:
+        children = self.children
+        del children[child.keys[0]]
+        self.only = next(iter(children.values())) if len(children) == 1 else None
+
+    def replace(self, old: "Node", new: "Node") -> None:
+        """``new`` takes the place of the child ``old`` (both start with the same page key)."""
+        self.children[new.keys[0]] = new
+        if self.only is old:
+            self.only = new
 
     @property
     def num_pages(self) -> int:
@@ -71,19 +129,20 @@ class Node:
         return self.depth + len(self.keys)
 
     def pages(self, component: str, tier: str) -> Optional[list[int]]:
-        if tier == L1:
-            return self.l1[component]
-        if tier == L2:
-            return self.l2[component]
-        raise ValueError(f"tier {tier!r} holds no page indices")
+        if tier != L1 and tier != L2:
+            raise ValueError(f"tier {tier!r} holds no page indices")
+        return getattr(self, SLOT[component, tier])
 
     def has(self, component: str, tier: str) -> bool:
-        if tier == L3:
-            return self.l3[component]
-        return self.pages(component, tier) is not None
+        v = getattr(self, SLOT[component, tier])
+        return v if tier == L3 else v is not None
 
     def has_any(self, component: str) -> bool:
-        return self.l1[component] is not None or self.l2[component] is not None or self.l3[component]
+        if component == FULL:
+            return self.l1_full is not None or self.l2_full is not None or self.l3_full
+        if component == SWA:
+            return self.l1_swa is not None or self.l2_swa is not None or self.l3_swa
+        raise KeyError(component)
 
     def best_tier(self, component: str) -> Optional[str]:
         """The fastest tier holding this node's data of ``component`` (None: tombstone / no data)."""
@@ -104,7 +163,7 @@ class Node:
     def __repr__(self) -> str:
         data = ",".join(f"{c}:{''.join(t[1] for t in TIERS if self.has(c, t)) or '-'}" for c in COMPONENTS)
         return (f"Node(id={self.id}, pages=[{self.depth},{self.end}), {data}, "
-                f"lock={self.lock[FULL]}/{self.lock[SWA]})")
+                f"lock={self.lock_full}/{self.lock_swa})")
 
 
 class KVEvent(NamedTuple):
@@ -142,7 +201,6 @@ class Freed:
         return "Freed(" + ", ".join(f"{c}/{t}={len(p)}" for (c, t), p in self._pages.items() if p) + ")"
 
 
-@dataclass
 class MatchResult:
     """Outcome of RadixTree.match_prefix.
 
@@ -158,19 +216,24 @@ class MatchResult:
     ``matched_pages`` is how far the keys matched before the SWA cut (>= m).
     """
 
-    node: Node
-    num_pages: int = 0
-    nodes: list[Node] = field(default_factory=list)
-    matched_pages: int = 0
-    full_l1: int = 0
-    full_l2: int = 0
-    full_l3: int = 0
-    swa_window: int = 0
-    swa_l1: int = 0
-    swa_l2: int = 0
-    swa_l3: int = 0
-    l1_full: list[int] = field(default_factory=list)
-    l1_swa: list[Optional[int]] = field(default_factory=list)
+    # A plain class with slots, not a dataclass: one is built for every request, and the generated
+    # __init__ with its default factories was a measurable share of a match.
+    __slots__ = ("node", "num_pages", "nodes", "matched_pages", "full_l1", "full_l2", "full_l3", "swa_window",
+                 "swa_l1", "swa_l2", "swa_l3", "l1_full", "l1_swa")
+
+    def __init__(self, node: Node, num_pages: int = 0, nodes: Optional[list[Node]] = None,
+                 matched_pages: int = 0) -> None:
+        self.node = node
+        self.num_pages = num_pages
+        self.nodes: list[Node] = [] if nodes is None else nodes
+        self.matched_pages = matched_pages
+        self.full_l1 = self.full_l2 = self.full_l3 = 0
+        self.swa_window = self.swa_l1 = self.swa_l2 = self.swa_l3 = 0
+        self.l1_full: list[int] = []
+        self.l1_swa: list[Optional[int]] = []
+
+    def __repr__(self) -> str:
+        return "MatchResult(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__) + ")"
 
 
 @dataclass

@@ -83,10 +83,10 @@ class TierOps:
         """Whether ``lower`` may absorb ``upper`` (its parent): upper's only child, both unlocked, both
         SWA tombstones, full data in the same tiers (L1 in both), the same recency and SLRU segment."""
         return (upper is not self.root and len(upper.children) == 1 and not upper.removed
-                and not (upper.lock[FULL] or upper.lock[SWA] or lower.lock[FULL] or lower.lock[SWA])
+                and not (upper.lock_full or upper.lock_swa or lower.lock_full or lower.lock_swa)
                 and not upper.has_any(SWA) and not lower.has_any(SWA)
-                and upper.l1[FULL] is not None and lower.l1[FULL] is not None
-                and (upper.l2[FULL] is None) == (lower.l2[FULL] is None) and upper.l3[FULL] == lower.l3[FULL]
+                and upper.l1_full is not None and lower.l1_full is not None
+                and (upper.l2_full is None) == (lower.l2_full is None) and upper.l3_full == lower.l3_full
                 and upper.last_access == lower.last_access
                 and (upper.hit_count > upper.demoted_hits) == (lower.hit_count > lower.demoted_hits))
 
@@ -96,14 +96,14 @@ class TierOps:
         lower.keys = upper.keys + lower.keys
         lower.tokens = upper.tokens + lower.tokens if upper.tokens and lower.tokens else None
         lower.depth = upper.depth
-        lower.l1[FULL] = upper.l1[FULL] + lower.l1[FULL]
-        if lower.l2[FULL] is not None:
-            lower.l2[FULL] = upper.l2[FULL] + lower.l2[FULL]
+        lower.l1_full = upper.l1_full + lower.l1_full
+        if lower.l2_full is not None:
+            lower.l2_full = upper.l2_full + lower.l2_full
         lower.hit_count = max(upper.hit_count, lower.hit_count)
         lower.demoted_hits = max(upper.demoted_hits, lower.demoted_hits)
-        parent.children[upper.keys[0]] = lower
+        parent.replace(upper, lower)
         lower.parent = parent
-        upper.children = {}
+        upper.children, upper.only = {}, None
         upper.removed, upper.parent = True, None
         for lru in self._lru.values():
             lru.discard(upper)
@@ -120,7 +120,7 @@ class TierOps:
         return freed
 
     def _remove_subtree(self, node: Node, freed: Freed) -> None:
-        if node.lock[FULL] or node.lock[SWA]:
+        if node.lock_full or node.lock_swa:
             raise RuntimeError(f"removing locked {node!r}")
         order, stack = [], [node]
         while stack:
@@ -137,7 +137,7 @@ class TierOps:
                         self._set(x, c, t, None)
                 if x.l3[c]:
                     self._set(x, c, L3, False)
-            del x.parent.children[x.keys[0]]
+            x.parent.detach(x)
             for lru in self._lru.values():
                 lru.discard(x)
             x.removed, x.parent = True, None

@@ -79,6 +79,10 @@ class ReadOps:
     def lru_members(self, component: str, tier: str) -> list[Node]:
         return self._lru[(component, tier)].members()
 
+    def in_lru(self, node: Node, component: str, tier: str) -> bool:
+        """Membership as the node's own ``lru_in`` bits tell it (the hot paths' answer)."""
+        return node in self._lru[(component, tier)]
+
     def lru_consistent(self, component: str, tier: str) -> bool:
         """Whether the (component, tier) LRU's heap agrees with its members and their current keys."""
         return self._lru[(component, tier)].consistent()

@@ -11,6 +11,7 @@ from operator import is_not
 from typing import Optional, Sequence
 
 from storage.radix_node import FULL, L1, SWA, InsertResult, Node
+from storage.tokens import same_run
 
 
 def _common(edge: list[bytes], keys: Sequence[bytes], i: int) -> int:
@@ -52,28 +53,32 @@ class WalkOps:
         is done here, SequenceKeys.match_run only past a mismatch: it runs for every node of every
         match and insert."""
         children = cur.children
+        if not children:
+            return None, 0
         if by_tokens:
+            # Edges are compared in place (same_run) and sized by their tokens, not their keys: every
+            # object a step does not touch is a cache miss saved on a large tree.
             ps, toks = self.page_size, keys.tokens
-            if cur is not self.root and len(children) == 1:
+            ch = cur.only
+            if ch is not None and cur is not self.root:
                 # One way on (a conversation's next turn): compare the whole edge at once, which covers
                 # its first page; only a mismatch needs the page-by-page rules below.
-                for ch in children.values():
-                    ct, a = ch.tokens, i * ps
-                    if ct is not None:
-                        nk = len(ch.keys)
-                        if i + nk <= n_keys and toks[a:a + nk * ps] == ct:
-                            known = len(keys._keys)
-                            if i <= known < i + nk:
-                                keys._keys += ch.keys[known - i:]
-                            return ch, nk
+                ct, a = ch.tokens, i * ps
+                if ct is not None:
+                    nk = len(ct) // ps
+                    if i + nk <= n_keys and same_run(toks, a, ct):
+                        known = keys._known   # SequenceKeys.borrow, inlined
+                        if i <= known < i + nk:
+                            keys._runs.append((ch.keys, known - i, nk))
+                            keys._known = i + nk
+                        return ch, nk
             if cur is not self.root and len(children) <= _SCAN_CHILDREN:
-                a = i * ps
-                page, child, hashed_only = toks[a:a + ps], None, False
+                a, child, hashed_only = i * ps, None, False
                 for ch in children.values():
                     t = ch.tokens
                     if t is None:
                         hashed_only = True
-                    elif t[:ps] == page:
+                    elif same_run(toks, a, t, ps):
                         child = ch
                         break
                 if child is None:
@@ -87,11 +92,12 @@ class WalkOps:
             ck, ct = child.keys, child.tokens
             if ct is None:
                 return child, _common(ck, keys, i)
-            nk, a = len(ck), i * ps
-            if i + nk <= n_keys and toks[a:a + nk * ps] == ct:
-                known = len(keys._keys)
-                if i <= known < i + nk:   # the edge's keys are this sequence's: taken, not hashed
-                    keys._keys += ck[known - i:]
+            nk, a = len(ct) // ps, i * ps
+            if i + nk <= n_keys and same_run(toks, a, ct):
+                known = keys._known   # the edge's keys are this sequence's: borrowed, not hashed
+                if i <= known < i + nk:
+                    keys._runs.append((ck, known - i, nk))
+                    keys._known = i + nk
                 return child, nk
             return child, keys.match_run(i, ck, ct)
         child = children.get(keys[i])
@@ -102,16 +108,18 @@ class WalkOps:
         """Merge the caller's pages ``[i, i + node.num_pages)`` into an existing node."""
         k = node.num_pages
         mine = full[i:i + k]
-        if node.l1[FULL] is None:
+        have = node.l1_full
+        if have is None:
             self._set(node, FULL, L1, mine)  # the parent was absorbed just before: L1 closure holds
-        elif mine != node.l1[FULL]:   # usually the same pages: the caller borrowed them from the tree
-            res.free_full.extend(p for p, q in zip(mine, node.l1[FULL]) if p != q)
+        elif mine != have:   # usually the same pages: the caller borrowed them from the tree
+            res.free_full.extend(p for p, q in zip(mine, have) if p != q)
         mine = swa[i:i + k]
-        if node.l1[SWA] is None:
+        have = node.l1_swa
+        if have is None:
             if mine[0] is not None:  # uniform by the run cut: un-tombstone / load with the caller's
                 node.swa_access = now  # fresh data, as a new node's
                 self._set(node, SWA, L1, mine)
-        elif mine != node.l1[SWA]:
-            res.free_swa.extend(p for p, q in zip(mine, node.l1[SWA]) if p is not None and p != q)
+        elif mine != have:
+            res.free_swa.extend(p for p, q in zip(mine, have) if p is not None and p != q)
         if node.tokens is None and toks is not None:
             node.tokens = toks[i * self.page_size:(i + k) * self.page_size]

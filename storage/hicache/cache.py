@@ -23,7 +23,8 @@ from typing import Optional, Sequence
 from storage.config import HiCacheConfig
 from storage.copier import Copier
 from storage.geometry import KVGeometry
-from storage.hashing import DEFAULT_SEED, SequenceKeys
+from storage.hashing import DEFAULT_SEED
+from storage.sequence_keys import SequenceKeys
 from storage.hicache.hit import NO_TIERS, PrefixHit, Room
 from storage.hicache.host_tier import host_tier_class
 from storage.hicache.install import install

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from storage.hashing import (DEFAULT_SEED, KEY_BYTES, PageHasher, SequenceKeys, encode_tokens, next_key,
+from storage.hashing import (DEFAULT_SEED, KEY_BYTES, PageHasher, encode_tokens, next_key,
                              page_keys, root_key)
 
 token_lists = st.lists(st.integers(0, 2**31), max_size=64)
@@ -140,41 +140,7 @@ def test_bad_parent_and_salt_combination():
         root_key(seed=1.5)
 
 
-@settings(max_examples=60, deadline=None)
-@given(toks=token_lists, page_size=st.integers(1, 5), cut=st.integers(0, 64))
-def test_sequence_keys_equal_page_keys(toks, page_size, cut):
-    ref = page_keys(toks, page_size, salt="t")
-    sk = SequenceKeys(toks, page_size, salt="t")
-    assert len(sk) == len(ref) and sk.num_known == 0
-    if ref:
-        assert sk[len(ref) // 2] == ref[len(ref) // 2] and sk.num_known == len(ref) // 2 + 1
-        assert sk[-1] == ref[-1]
-    assert sk[1:3] == ref[1:3] and sk[::2] == ref[::2] and list(sk) == ref
-    n = min(cut // page_size, len(ref))
-    part = SequenceKeys(toks, page_size, salt="t", num_pages=n)
-    assert list(part) == ref[:n]
-    longer = part.extended(toks + [7] * page_size)   # the known keys carry over
-    assert longer.num_known == n and list(longer) == page_keys(toks + [7] * page_size, page_size, salt="t")
-    other = part.extended([t + 1 for t in toks])     # a different prefix: nothing carries over
-    assert other.num_known == 0 and list(other) == page_keys([t + 1 for t in toks], page_size, salt="t")
-
-
-def test_sequence_keys_take_a_matching_runs_keys_without_hashing():
-    toks = list(range(40))
-    ref = page_keys(toks, 4)
-    sk = SequenceKeys(toks, 4)
-    assert sk[2] == ref[2] and sk.num_known == 3
-    # A run of 5 pages starting at page 2 whose first key matched: its tokens agree for 3 pages.
-    run_tokens = toks[8:20] + [99] * 8
-    assert sk.match_run(2, ref[2:7], run_tokens) == 3 and sk.num_known == 5
-    sk._keys[3] = b"\0" * 16   # taken, not computed: a wrong run key would show
-    assert sk[3] == b"\0" * 16
-    with pytest.raises(ValueError):
-        SequenceKeys(toks, 4, num_pages=11)
-    with pytest.raises(IndexError):
-        sk[10]
-    with pytest.raises(ValueError):
-        list(SequenceKeys([1, -1], 1))
+def test_encode_takes_numpy_ids():
     np = pytest.importorskip("numpy")
     assert encode_tokens(np.arange(8, dtype=np.int64)) == encode_tokens(list(range(8)))
     with pytest.raises(ValueError):

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from storage.hashing import SequenceKeys
+from storage.sequence_keys import SequenceKeys
 from storage.pools import PageAllocator
 from storage.radix import COMPONENTS, FULL, L1, L2, L3, SWA, TIERS, Freed, RadixTree
 
@@ -441,7 +441,8 @@ def test_owners_flush_and_allocators():
     t.check_integrity()
 
 
-@pytest.mark.parametrize("tamper", ["dup_page", "lock", "lru", "key", "no_full", "closure", "len"])
+@pytest.mark.parametrize("tamper", ["dup_page", "lock", "lru", "key", "no_full", "closure", "len", "only",
+                                    "lru_bits"])
 def test_check_integrity_catches_corruption(tamper):
     t, k = tree_and_keys(4)
     t.insert(k[:2], [0, 1], [0, 1], now=1)
@@ -464,6 +465,10 @@ def test_check_integrity_catches_corruption(tamper):
         p.l2[FULL], p.l1[FULL] = p.l1[FULL], None
     elif tamper == "len":
         n.l1[SWA] = [2]
+    elif tamper == "only":   # p's only child, not remembered as such
+        p.only = None
+    elif tamper == "lru_bits":   # a member of the full L1 list whose own bits deny it
+        n.lru_in = 0
     with pytest.raises(AssertionError):
         t.check_integrity()
 
