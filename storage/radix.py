@@ -39,7 +39,6 @@ Rules (checked by ``check_integrity``, see storage/radix_check.py):
 """
 from __future__ import annotations
 
-from collections import Counter
 from typing import Optional, Sequence
 
 from storage.hashing import DEFAULT_SEED, Seed, page_keys, root_key
@@ -86,7 +85,9 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
                      for i, (c, t) in enumerate((c, t) for c in COMPONENTS for t in PAGE_TIERS)}
         self._full_lrus = tuple(self._lru[(FULL, t)] for t in PAGE_TIERS)
         self._lrus_of = {c: (self._lru[(c, L1)], self._lru[(c, L2)]) for c in COMPONENTS}
-        self._locks: Counter[tuple[str, Node]] = Counter()  # (component, node) -> lock() calls held
+        # node -> [lock(node, FULL) calls held, lock(node, SWA) calls held] (one entry per locked node: a
+        # request's lock and unlock touch one dict slot, not one per component)
+        self._locks: dict[Node, list[int]] = {}
         self._events: list[KVEvent] = []
         self._size = {(c, t): 0 for c in COMPONENTS for t in PAGE_TIERS}
         self.num_nodes = 0
@@ -250,12 +251,14 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
             l1_swa += part
         res.swa_l1, res.swa_l2, res.swa_l3 = s1, s2, s3
         if fuse:
-            locks = self._locks
-            locks[(FULL, last)] = locks.get((FULL, last), 0) + 1
+            held = self._locks.get(last)
+            if held is None:
+                held = self._locks[last] = [0, 0]
+            held[0] += 1
             if w:
                 start = max(0, m - w)
                 top.swa_lock_starts[start] = top.swa_lock_starts.get(start, 0) + 1
-                locks[(SWA, last)] = locks.get((SWA, last), 0) + 1
+                held[1] += 1
         return res
 
     def insert(self, keys: Sequence[bytes], full_pages: Sequence[int],

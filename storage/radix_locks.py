@@ -6,7 +6,6 @@ A mixin only to keep storage/radix.py under 500 lines: it works on RadixTree's s
 """
 from __future__ import annotations
 
-from collections import Counter
 from typing import TYPE_CHECKING
 
 from storage.radix_node import COMPONENTS, FULL, L1, L2, SWA, Node
@@ -20,7 +19,7 @@ class LockOps:
 
     root: Node
     window_pages: int
-    _locks: Counter
+    _locks: dict[Node, list[int]]
     _lru: dict[tuple[str, str], "LRUIndex"]
     _full_lrus: tuple
 
@@ -67,14 +66,17 @@ class LockOps:
                 top.swa_lock_starts[start] = top.swa_lock_starts.get(start, 0) + 1
         else:
             raise ValueError(f"unknown component {component!r}")
-        locks = self._locks
-        locks[(component, node)] = locks.get((component, node), 0) + 1
+        held = self._locks.get(node)
+        if held is None:
+            held = self._locks[node] = [0, 0]
+        held[component == SWA] += 1
 
     def unlock(self, node: Node, component: str) -> None:
         """Undo one ``lock(node, component)``; raises ValueError if none is held (never negative)."""
         if component not in COMPONENTS:
             raise ValueError(f"unknown component {component!r}")
-        if self._locks.get((component, node), 0) <= 0:
+        held = self._locks.get(node)
+        if held is None or held[component == SWA] <= 0:
             raise ValueError(f"{node!r} holds no {component} lock")
         if component == FULL:
             x = node
@@ -99,6 +101,6 @@ class LockOps:
                 top.swa_lock_starts[start] -= 1
                 if top.swa_lock_starts[start] == 0:
                     del top.swa_lock_starts[start]
-        self._locks[(component, node)] -= 1
-        if self._locks[(component, node)] == 0:
-            del self._locks[(component, node)]
+        held[component == SWA] -= 1
+        if not held[0] and not held[1]:
+            del self._locks[node]

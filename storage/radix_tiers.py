@@ -113,7 +113,7 @@ class TierOps:
     def flush(self) -> Freed:
         """Remove every node; returns all their pages. Raises RuntimeError while any lock is held."""
         if self._locks:
-            raise RuntimeError(f"flush with {sum(self._locks.values())} locks held")
+            raise RuntimeError(f"flush with {sum(map(sum, self._locks.values()))} locks held")
         freed = Freed()
         for child in list(self.root.children.values()):
             self._remove_subtree(child, freed)

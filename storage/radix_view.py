@@ -6,7 +6,6 @@ through (radix_check.TreeView), so the checker never reaches into the tree's pri
 """
 from __future__ import annotations
 
-from collections import Counter
 from typing import TYPE_CHECKING, Iterator
 
 from storage.radix_node import COMPONENTS, L1, Node
@@ -22,7 +21,7 @@ class ReadOps:
     window_pages: int
     _size: dict[tuple[str, str], int]
     _lru: dict[tuple[str, str], "LRUIndex"]
-    _locks: Counter
+    _locks: dict[Node, list[int]]
 
     def num_pages(self, component: str, tier: str) -> int:
         """Pages of ``component`` the tree holds in page tier ``tier``."""
@@ -37,13 +36,14 @@ class ReadOps:
         up from each lock: O(locks x depth), for admission decisions, not per page."""
         seen: set[int] = set()
         n = 0
-        for c, node in self._locks:
-            if c != component:
+        idx = COMPONENTS.index(component)
+        for node, held in self._locks.items():
+            if not held[idx]:
                 continue
             x = node
-            while x is not self.root and x.lock[c] and x.id not in seen:
+            while x is not self.root and x.lock[component] and x.id not in seen:
                 seen.add(x.id)
-                p = x.pages(c, tier)
+                p = x.pages(component, tier)
                 n += len(p) if p is not None else 0
                 x = x.parent
         return n
@@ -70,7 +70,8 @@ class ReadOps:
 
     def lock_registry(self) -> Iterator[tuple[str, Node, int]]:
         """``(component, node, count)`` for every ``lock(node, component)`` still held."""
-        return ((c, node, k) for (c, node), k in self._locks.items())
+        return ((c, node, held[i]) for node, held in self._locks.items() for i, c in enumerate(COMPONENTS)
+                if held[i])
 
     def swa_window_start(self, node: Node) -> int:
         """First page of the SWA window a lock on ``node`` covers."""
