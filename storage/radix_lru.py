@@ -76,17 +76,18 @@ class LRUIndex:
         """Insert, or re-key after the access time (or reuse) changed (no-op when already current)."""
         prot = self.protect > 0 and node.hit_count > node.demoted_hits
         key = (prot, getattr(node, self.stamp), -node.end, node.id)
-        seq = next(self._counter)
         e = self._members.get(node.id)
         if e is None:
+            seq = next(self._counter)
             e = self._members[node.id] = [key, seq, node, node.num_pages]
             self.num_pages += e[3]
             node.lru_in |= self.bit
         else:
-            if e[0] == key:
+            if e[0] == key:   # already current: touched twice with one timestamp
                 return
             if e[0][0]:
                 self.protected_pages -= self._prot.pop(node.id)
+            seq = next(self._counter)
             e[0], e[1] = key, seq
         heapq.heappush(self._heap, (key, seq, node))
         if prot:

@@ -230,7 +230,8 @@ class SequenceKeys(Sequence[bytes]):
         out.num_pages = full if num_pages is None else num_pages
         n = min(self._known, out.num_pages)
         ps = self.page_size
-        same = out.tokens is self.tokens or out.tokens[:n * ps] == self.tokens[:n * ps]
+        # The engine inserts prompt + output, a new list: compared in place, not sliced twice.
+        same = out.tokens is self.tokens or same_run(out.tokens, 0, self.tokens, n * ps)
         out._keys, out._runs, out._known = self._keys[:n] if same else [], [], n if same else 0
         pos = len(self._keys)
         for src, start, stop in self._runs if same else ():   # the runs up to n, still borrowed
