@@ -3,9 +3,15 @@ it records every routing decision and can break one of them the other way.
 
 Rows are counted per layer across the router's calls of one request, so for a single request alone in
 the engine a row's ``position`` is its token position: prefill chunks cover 0..prompt_len-1 in order,
-and decode step i (i >= 1) is position prompt_len + i - 1, whatever the chunking."""
+and decode step i (i >= 1) is position prompt_len + i - 1, whatever the chunking.
+
+``STRATA_ROUTING_PROBE_SHAM=1`` disables the flip while still reporting it done (``flipped``): the tests
+built on the probe must then fail, on every CPU, or they test the machine rather than the mechanism
+(``STRATA_ROUTING_PROBE_SHAM=1 pytest -m numerics tests/unit/test_chunked_prefill_routing_tie.py
+tests/reliability/test_verify.py`` is how that is checked)."""
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -31,6 +37,7 @@ class RouterProbe:
     def __init__(self, engine, flip: tuple[int, int] | None = None) -> None:
         self.routers = [m for m in engine.model.modules() if isinstance(m, TopKRouter)]
         self.flip = flip
+        self.sham = os.environ.get("STRATA_ROUTING_PROBE_SHAM") == "1"
         self.flipped = False
         self.decisions: list[Decision] = []
         self._logits: list[list[torch.Tensor]] = [[] for _ in self.routers]
@@ -57,11 +64,12 @@ class RouterProbe:
             self._logits[layer].append(lg.detach().clone())
             scores, chosen = out
             if self.flip is not None and self.flip[0] == layer and seen <= self.flip[1] < seen + lg.shape[0]:
-                r = self.flip[1] - seen
-                chosen = idx[:, :k].clone()
-                chosen[r, -1] = idx[r, k]
-                scores = torch.softmax(lg.gather(-1, chosen), dim=-1, dtype=lg.dtype)
                 self.flipped = True
+                if not self.sham:
+                    r = self.flip[1] - seen
+                    chosen = idx[:, :k].clone()
+                    chosen[r, -1] = idx[r, k]
+                    scores = torch.softmax(lg.gather(-1, chosen), dim=-1, dtype=lg.dtype)
             self._chosen[layer].append(chosen.detach().clone())
             return scores, chosen
         return hook

@@ -104,14 +104,22 @@ def test_a_departure_after_a_routing_tie_is_excused_only_if_that_tie_explains_it
     with RouterProbe(one_step, flip=TIE) as probe:
         got = one_step.generate([prompt], sp)[0].token_ids
     assert probe.flipped and got != want
+    # The judge excuses it. Which excuse it finds first depends on this CPU's rounding: where the departing
+    # token is also within the logit tolerance of the reference's top logit, the near-tie of the logits
+    # (tried first) explains it; elsewhere only the routing tie does. Either way nothing is wrong.
     v = verify(Recorder([_outcome(prompt, got, 15)]), one_step)
-    assert v["wrong"] == [] and len(v["near_ties"]) == 1
-    tie = v["near_ties"][0]["routing_tie"]
-    assert (tie["layer"], tie["position"]) == TIE and tie["step"] == 0
-    # Another departure on the same prompt is not excused by that tie.
+    assert v["wrong"] == [] and len(v["near_ties"]) == 1 and v["near_ties"][0]["explained"]
+    # The routing-tie excuse itself, on every CPU: it finds that tie and reproduces the answer by swapping
+    # that one decision (not by the reference breaking a tie on its own).
+    rt = explain_by_routing_tie(one_step, _outcome(prompt, got, 15))
+    assert rt["explained"], rt
+    tie = rt["routing_tie"]
+    assert (tie["layer"], tie["position"]) == TIE and tie["step"] == 0 and "broken_by" not in tie
+    # Another departure on the same prompt is excused by neither.
     bad = got[:3] + [(got[3] + 1) % 256] + got[4:]
     v = verify(Recorder([_outcome(prompt, bad, 15)]), one_step)
     assert len(v["wrong"]) == 1 and not v["wrong"][0]["explained"]
+    assert not explain_by_routing_tie(one_step, _outcome(prompt, bad, 15))["explained"]
 
 
 def _routing_runs(eng, prompt, n, flip=None):
@@ -125,17 +133,22 @@ def test_a_routing_tie_in_a_decode_step_is_found_and_only_that_one_excuses(ref):
     one_step = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=512, max_batch_tokens=4096)
     p = _prompt(5, 40)
     want, probe = _routing_runs(one_step, p, 12)
-    # The closest decode-step decision whose other choice changes the answer: a cluster whose noise broke it.
-    for d in probe.closest(len(probe.decisions), min_step=1):
-        got, _ = _routing_runs(one_step, p, 12, flip=(d.layer, d.position))
-        if got != want:
+    # The closest decode-step decision whose other choice changes the answer: a cluster whose noise broke
+    # it. Which one that is may depend on the CPU (gaps move by rounding noise); that one exists does not:
+    # a swapped expert moves that token's hidden state far beyond noise, and greedy decoding follows.
+    d = got = None
+    for cand in probe.closest(len(probe.decisions), min_step=1):
+        out, _ = _routing_runs(one_step, p, 12, flip=(cand.layer, cand.position))
+        if out != want:
+            d, got = cand, out
             break
-    else:
-        pytest.skip("no decode-step routing decision changes this answer")
+    assert d is not None, "no decode-step routing decision changes this answer"
     o = _outcome(p, got, 12)
     # The judge recomputes the same decisions (same engine, same shapes: the same bits), so a tolerance
     # just above or below this gap includes or excludes exactly this decision.
-    res = explain_by_routing_tie(one_step, o, tol=d.gap * (1 + 1e-4), max_tries=64)
+    res = explain_by_routing_tie(one_step, o, tol=d.gap * (1 + 1e-4),
+                                max_tries=len(probe.decisions))
     assert res["explained"] and (res["routing_tie"]["step"], res["routing_tie"]["layer"]) == (d.step, d.layer)
-    below = explain_by_routing_tie(one_step, o, tol=d.gap * (1 - 1e-4), max_tries=64)
+    below = explain_by_routing_tie(one_step, o, tol=d.gap * (1 - 1e-4),
+                                  max_tries=len(probe.decisions))
     assert below is None or not below["explained"]

@@ -6,8 +6,8 @@ rounding noise (within the numerics policy, tests/numerics.py). Where a token's 
 logits are closer than that noise (a routing near-tie: layer 1, position 573 of this prompt, ~1e-6
 apart), either computation may pick either expert, and everything after that layer follows: the final
 logits move by ~0.1 and greedy tokens depart at the 9th token. Which way a CPU's rounding breaks the tie
-is luck, so the effect is built here by breaking it on purpose (tests/routing_probe.py), which shows the
-same on every CPU. The soak's judge excuses such a departure only if reversing that one decision
+is luck, so the effect is built here by breaking it on purpose (tests/routing_probe.py) and comparing
+with the unforced run of the same shape, which shows the same on every CPU. The soak's judge excuses such a departure only if reversing that one decision
 reproduces it (tests/reliability/judge.py)."""
 import json
 import os
@@ -53,17 +53,21 @@ def test_chunked_prefill_agrees_with_one_shot_up_to_a_routing_near_tie():
     numerics.assert_logits_close(b.logits[0], a.logits[0], mc, len(PROMPT), "chunked vs one-shot prefill")
 
 
-def test_a_routing_near_tie_broken_the_other_way_moves_the_answer():
-    mc, one, a = _prefill(4096, n=15)
-    tie = next(d for d in one.decisions if (d.layer, d.position) == TIE)
-    assert tie.gap <= _router_tol(mc, one, tie.layer), "the prompt's routing near-tie is not one here"
-    # Chunked prefill whose rounding broke that tie the other way (forced, so on every CPU).
-    _, forced, b = _prefill(512, flip=TIE, n=15)
+@pytest.mark.parametrize("max_batch_tokens", [512, 4096], ids=["chunked", "one-shot"])
+def test_a_routing_near_tie_broken_the_other_way_moves_the_answer(max_batch_tokens):
+    """The forced run is compared with the unforced run of the same shape: the flip swaps that very run's
+    k-th and (k+1)-th choice, so the two differ in exactly that decision on every CPU, whichever way this
+    CPU's rounding broke the tie. (A forced chunked run against a one-shot one would not: where the
+    chunked rounding already picked the other expert, the flip puts back the one-shot choice.)"""
+    mc, natural, a = _prefill(max_batch_tokens, n=15)
+    tie = next(d for d in natural.decisions if (d.layer, d.position) == TIE)
+    assert tie.gap <= _router_tol(mc, natural, tie.layer), "the prompt's routing near-tie is not one here"
+    _, forced, b = _prefill(max_batch_tokens, flip=TIE, n=15)
     assert forced.flipped
     n = len(PROMPT)
-    for layer in range(tie.layer + 1):     # the prefill up to the tie: one computation within the policy
-        assert numerics.magnitude(one.logits(layer)[:n] - forced.logits(layer)[:n]) <= _router_tol(mc, one, layer)
-        differ = (one.chosen(layer)[:n] != forced.chosen(layer)[:n]).any(-1).nonzero().flatten().tolist()
+    for layer in range(tie.layer + 1):     # up to the tie: one computation, then that one decision swapped
+        assert numerics.magnitude(natural.logits(layer)[:n] - forced.logits(layer)[:n]) <= _router_tol(mc, natural, layer)
+        differ = (natural.chosen(layer)[:n] != forced.chosen(layer)[:n]).any(-1).nonzero().flatten().tolist()
         assert differ == ([] if layer < tie.layer else [tie.position]), (layer, differ)
     # The effect: final logits move far beyond rounding noise, and greedy decoding departs.
     tol = numerics.logit_tolerance(mc, len(PROMPT), numerics.magnitude(a.logits[0]))
