@@ -3,15 +3,24 @@ llguidance matcher that gives the allowed next tokens each step and consumes the
 
 llguidance rather than xgrammar: it installs as one abi3 wheel with no dependencies and runs on CPU,
 while xgrammar pulls transformers and a TVM runtime into the serving process. The matcher's bitmask is
-unpacked here in torch (llguidance's own helper compiles a kernel with torch.compile on first use)."""
+unpacked here in torch (llguidance's own helper compiles a kernel with torch.compile on first use).
+
+llguidance is imported when present: an engine without it (a GPU image that lacks the wheel) serves
+everything but structured output, whose requests are refused with a ValueError naming the package."""
 from __future__ import annotations
 
 import functools
 import json
 
-import llguidance
-import llguidance.torch
 import torch
+
+try:
+    import llguidance
+    import llguidance.torch
+    _IMPORT_ERROR: ImportError | None = None
+except ImportError as e:
+    llguidance = None
+    _IMPORT_ERROR = e
 
 from engine.sampling import SamplingParams
 
@@ -19,9 +28,16 @@ from engine.sampling import SamplingParams
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
 
+def _require() -> None:
+    if llguidance is None:
+        raise ValueError(f"grammar: structured output needs the llguidance package, which does not import "
+                         f"here ({_IMPORT_ERROR}); pip install 'llguidance>=1.9,<2'")
+
+
 @functools.lru_cache(maxsize=256)
 def compile_grammar(kind: str, text: str) -> str:
     """(kind, text) -> an llguidance grammar; ValueError("grammar: ...") when it is not valid."""
+    _require()
     try:
         # Compact separators rather than free whitespace: a weak model otherwise pads JSON with
         # whitespace until it runs out of tokens (a schema's own "x-guidance" options still win).
@@ -50,6 +66,7 @@ class GrammarTokenizer:
     """The llguidance view of a checkpoint's tokenizer (built once per engine)."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int]) -> None:
+        _require()
         self.vocab_size = vocab_size
         self.ll = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids) or None)
         self.words = (vocab_size + 31) // 32

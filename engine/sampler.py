@@ -33,7 +33,7 @@ def _penalize(x: torch.Tensor, rows: list[int], states: list[RowState]) -> None:
     """In place on x [B, V] for the penalised ``rows``."""
     if not rows:
         return
-    b, v = len(rows), x.shape[1]
+    b, v, dev = len(rows), x.shape[1], x.device
     out_len = max(1, max(len(states[r].output_ids) for r in rows))
     all_len = max(1, max(len(states[r].prompt_ids) + len(states[r].output_ids) for r in rows))
     out_ids = torch.full((b, out_len), v, dtype=torch.long)           # v: a padding column, dropped
@@ -44,13 +44,15 @@ def _penalize(x: torch.Tensor, rows: list[int], states: list[RowState]) -> None:
             out_ids[k, :len(s.output_ids)] = torch.tensor(s.output_ids)
         seq = s.prompt_ids + s.output_ids
         all_ids[k, :len(seq)] = torch.tensor(seq)
-    counts = torch.zeros(b, v + 1).scatter_add_(1, out_ids, torch.ones(b, out_len))[:, :v]
-    seen = torch.zeros(b, v + 1, dtype=torch.bool).scatter_(1, all_ids, True)[:, :v]
+    # The id lists are built on the host (Python lists), the counts where the logits live.
+    out_ids, all_ids = out_ids.to(dev), all_ids.to(dev)
+    counts = torch.zeros(b, v + 1, device=dev).scatter_add_(1, out_ids, torch.ones(b, out_len, device=dev))[:, :v]
+    seen = torch.zeros(b, v + 1, dtype=torch.bool, device=dev).scatter_(1, all_ids, True)[:, :v]
     p = [states[r].params for r in rows]
-    rep = torch.tensor([q.repetition_penalty for q in p])[:, None]
-    pres = torch.tensor([q.presence_penalty for q in p])[:, None]
-    freq = torch.tensor([q.frequency_penalty for q in p])[:, None]
-    idx = torch.tensor(rows)
+    rep = torch.tensor([q.repetition_penalty for q in p], device=dev)[:, None]
+    pres = torch.tensor([q.presence_penalty for q in p], device=dev)[:, None]
+    freq = torch.tensor([q.frequency_penalty for q in p], device=dev)[:, None]
+    idx = torch.tensor(rows, device=dev)
     y = x[idx]
     y = torch.where(seen, torch.where(y > 0, y / rep, y * rep), y)
     y = y - freq * counts - pres * (counts > 0).float()
@@ -60,20 +62,21 @@ def _penalize(x: torch.Tensor, rows: list[int], states: list[RowState]) -> None:
 def processed_logits(logits: torch.Tensor, states: list[RowState]) -> torch.Tensor:
     """logits [B, V] fp32 -> the processed logits [B, V] fp32 (a new tensor)."""
     x = logits.float().clone()
-    v = x.shape[1]
+    v, dev = x.shape[1], x.device
     bias = [(r, t, b) for r, s in enumerate(states) for t, b in s.params.logit_bias if t < v]
     if bias:
         r, t, b = zip(*bias)
-        x.index_put_((torch.tensor(r), torch.tensor(t)), torch.tensor(b, dtype=x.dtype), accumulate=True)
+        x.index_put_((torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
+                     torch.tensor(b, dtype=x.dtype, device=dev), accumulate=True)
     _penalize(x, [r for r, s in enumerate(states) if s.params.penalized], states)
     masked = [(r, t) for r, s in enumerate(states) for t in s.stop_masked if t < v]
     if masked:
         r, t = zip(*masked)
-        x[torch.tensor(r), torch.tensor(t)] = NEG_INF
+        x[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = NEG_INF
     g = [r for r, s in enumerate(states) if s.grammar_mask is not None]
     if g:
-        allowed = torch.stack([states[r].grammar_mask[:v] for r in g])
-        idx = torch.tensor(g)
+        allowed = torch.stack([states[r].grammar_mask[:v] for r in g]).to(dev)
+        idx = torch.tensor(g, device=dev)
         x[idx] = x[idx].masked_fill(~allowed, NEG_INF)
     return x
 
@@ -82,17 +85,19 @@ def _draw(x: torch.Tensor, states: list[RowState], rows: list[int]) -> torch.Ten
     """Sampled tokens of ``rows`` from processed logits x [B, V]: temperature, top-k, top-p, min-p and
     the exponential race. Float64 and shifted so the top logit is 0: a tiny temperature (1e-300 is a
     valid one, 0 in float32) then gives -inf for the others instead of nan."""
-    idx = torch.tensor(rows)
+    dev = x.device
+    idx = torch.tensor(rows, device=dev)
     p = [states[r].params for r in rows]
     y = x[idx].double()
-    y = (y - y.max(dim=-1, keepdim=True).values) / torch.tensor([q.temperature for q in p], dtype=torch.float64)[:, None]
+    y = (y - y.max(dim=-1, keepdim=True).values) / torch.tensor([q.temperature for q in p], dtype=torch.float64,
+                                                                device=dev)[:, None]
     v = y.shape[1]
     srt, order = torch.sort(y, dim=-1, descending=True, stable=True)
     probs = torch.softmax(srt, dim=-1)
-    rank = torch.arange(v)[None, :]
-    k = torch.tensor([q.top_k if 0 < q.top_k < v else v for q in p])[:, None]
-    top_p = torch.tensor([q.top_p for q in p], dtype=torch.float64)[:, None]
-    min_p = torch.tensor([q.min_p for q in p], dtype=torch.float64)[:, None]
+    rank = torch.arange(v, device=dev)[None, :]
+    k = torch.tensor([q.top_k if 0 < q.top_k < v else v for q in p], device=dev)[:, None]
+    top_p = torch.tensor([q.top_p for q in p], dtype=torch.float64, device=dev)[:, None]
+    min_p = torch.tensor([q.min_p for q in p], dtype=torch.float64, device=dev)[:, None]
     # Keep the smallest head whose mass reaches top_p (the first token always stays), the top k, and
     # what is at least min_p times as likely as the best.
     drop = (rank >= k) | (probs.cumsum(-1) - probs >= top_p) | (probs < min_p * probs[:, :1])
@@ -100,8 +105,10 @@ def _draw(x: torch.Tensor, states: list[RowState], rows: list[int]) -> torch.Ten
     srt = srt.masked_fill(drop, NEG_INF)
     y = torch.full_like(y, NEG_INF).scatter_(1, order, srt)
     probs = torch.softmax(y, dim=-1)
+    # Each request's race is drawn from its own (host) generator, so a seeded request samples the same
+    # tokens whatever the device or the batch.
     q = torch.stack([torch.empty(v, dtype=torch.float64).exponential_(generator=states[r].generator) for r in rows])
-    return (probs / q).argmax(dim=-1)
+    return (probs / q.to(dev)).argmax(dim=-1)
 
 
 def sample(logits: torch.Tensor, states: list[RowState]) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -110,7 +117,7 @@ def sample(logits: torch.Tensor, states: list[RowState]) -> tuple[list[int], lis
     toks = x.argmax(dim=-1)
     rows = [r for r, s in enumerate(states) if not s.params.greedy]
     if rows:
-        toks[torch.tensor(rows)] = _draw(x, states, rows)
+        toks[torch.tensor(rows, device=x.device)] = _draw(x, states, rows)
     out = toks.tolist()
     return out, logprobs_of(x, out, states)
 
@@ -120,9 +127,9 @@ def logprobs_of(x: torch.Tensor, toks: list[int], states: list[RowState]) -> lis
     res: list[TokenLogprob | None] = [None] * len(states)
     if not lp_rows:
         return res
-    idx = torch.tensor(lp_rows)
+    idx = torch.tensor(lp_rows, device=x.device)
     lp = torch.log_softmax(x[idx], dim=-1)
-    chosen = lp.gather(1, torch.tensor([[toks[r]] for r in lp_rows]))[:, 0].tolist()
+    chosen = lp.gather(1, torch.tensor([[toks[r]] for r in lp_rows], device=x.device))[:, 0].tolist()
     n = max(states[r].params.top_logprobs for r in lp_rows)
     top_v, top_i = (torch.topk(lp, min(n, lp.shape[1]), dim=-1) if n else (None, None))
     for k, r in enumerate(lp_rows):
@@ -135,7 +142,7 @@ def logprobs_of(x: torch.Tensor, toks: list[int], states: list[RowState]) -> lis
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[TokenLogprob]:
     """logits [N, V] (raw: prompt positions) -> the logprob of tokens[i] under row i, with top-N."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
     if not top_n:
         return [TokenLogprob(t, c) for t, c in zip(tokens, chosen)]
     v, i = torch.topk(lp, min(top_n, lp.shape[1]), dim=-1)

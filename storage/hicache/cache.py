@@ -61,7 +61,7 @@ class HiCache:
                       "loadback": {"loaded": 0, "used": 0, "wasted": 0, "deferred": 0,
                                    "loaded_full": 0, "loaded_swa": 0}}
         host_tier = host_tier_class(cfg.swa_backup) if cfg is not None else None   # before any thread starts
-        self.copier = Copier() if cfg is not None else NoCopier()
+        self.copier = Copier(device=pools.full.kv.device) if cfg is not None else NoCopier()
         self._l2 = NoTier() if host_tier is None else \
             host_tier(self.tree, pools, cfg, self.copier, self.components, self.stats)
         self._l3 = NoTier() if cfg is None or cfg.l3 is None else \

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import kernels
 from storage.config import HiCacheConfig
-from storage.copier import Copier, Job, LayerFuture
+from storage.copier import Copier, Job, LayerFuture, wait_copies
 from storage.hicache.tier import free_pages
 from storage.host import HostPool, HostPools
 from storage.pools import COMPONENTS, FULL, SWA, KVPools
@@ -66,6 +66,7 @@ class HostTier:
         self.stats["bytes"]["L1->L2"] += node.num_pages * host.page_bytes
         if sync:
             kernels.l1_to_l2(l1, host.data, host.layout, src, dst, check=False)
+            wait_copies(l1)   # the L1 pages are freed next, and ``then`` may read the host copy
             self.tree.set_l2(node, c, dst)
             if then is not None:
                 then(node, c)

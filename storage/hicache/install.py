@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import kernels
+from storage.copier import wait_copies
 from storage.hicache.hit import PrefixHit
 from storage.hicache.l1 import L1Space
 from storage.hicache.prefetch import Fetched
@@ -37,6 +38,7 @@ def install(tree: RadixTree, pools: KVPools, l1: L1Space, l2, hit: PrefixHit, pa
     kernels.l2_to_l1(pools.full.flat(), full_host.data, full_host.layout, h_full, l1_full, check=False)
     if n_swa:
         kernels.l2_to_l1(pools.swa.flat(), swa_host.data, swa_host.layout, h_swa, l1_swa, check=False)
+    wait_copies(pools.full.kv)   # host pages read here may be freed below and refilled by the prefetcher
     # Pages before m0 keep the tree's own L1 pages (never reported as duplicates); SWA pages the tree
     # does not hold in L1 below m0 are simply not offered.
     swa_all: list[Optional[int]] = list(hit.swa_pages) + [None] * (m - m0)
