@@ -130,3 +130,18 @@ def test_prompt_logprobs_with_chunked_prefill_and_hicache():
     o = eng.generate([ids], SamplingParams(max_new_tokens=2, logprob_start_len=5))[0]
     assert len(o.prompt_logprobs) == 95 and all(e.token_id == ids[5 + k] for k, e in enumerate(o.prompt_logprobs))
     eng.check_integrity()
+
+
+def test_without_llguidance_structured_output_is_refused_by_name_and_the_rest_serves(monkeypatch):
+    """An engine where llguidance does not import (the GPU image) serves every request but structured
+    output, which is a ValueError naming the package (HTTP 400), not an import error at start."""
+    import engine.grammar as grammar
+    monkeypatch.setattr(grammar, "llguidance", None)
+    monkeypatch.setattr(grammar, "_IMPORT_ERROR", ModuleNotFoundError("No module named 'llguidance'"))
+    fresh = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=64)
+    with pytest.raises(ValueError, match="llguidance"):
+        fresh.add_request([1, 2, 3], SamplingParams(grammar=("regex", "[ab]+")))
+    with pytest.raises(ValueError, match="llguidance"):
+        compile_grammar.__wrapped__("regex", "[cd]+")
+    assert fresh.pools.all_free()
+    assert len(fresh.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))[0].token_ids) == 3
