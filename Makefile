@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast bench bench-compare soak clean sysdeps
+.PHONY: run test test-fast bench bench-compare soak clean sysdeps gpu-check
 
 # Mooncake's binaries link against these; installed when missing and we may (root with apt), checked on
 # every run/test (a dpkg query), not only when the venv is built.
@@ -71,6 +71,16 @@ bench: sysdeps $(STAMP)
 
 bench-compare: sysdeps $(STAMP)
 	$(BIN)/python -m bench.compare --quick
+
+# The GPU check (bench/gpu_check.py): kernels, engine and tiers on CUDA with figures against the hardware.
+# It runs on the GPU machine's own python3 and torch (nothing installed: no venv, no internet there), and
+# here on the venv's when there is one (its GPU parts then skip; GPU_CHECK_DEVICE=cpu runs them on the CPU).
+#   make gpu-check [GPU_CHECK_PARTS=kernels,engine] [GPU_CHECK_OUT=dir] [GPU_CHECK_FAMILIES=llama,gemma3]
+GPU_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
+gpu-check:
+	$(GPU_PY) -m bench.gpu_check $(if $(GPU_CHECK_PARTS),--parts $(GPU_CHECK_PARTS)) \
+		$(if $(GPU_CHECK_OUT),--out $(GPU_CHECK_OUT)) $(if $(GPU_CHECK_FAMILIES),--families $(GPU_CHECK_FAMILIES)) \
+		$(if $(GPU_CHECK_DEVICE),--device $(GPU_CHECK_DEVICE))
 
 # The long soak (tests/reliability/soak.py) on its own local cluster: make soak DURATION=30m [SOAK_ARGS=--faults all]
 DURATION ?= 30m

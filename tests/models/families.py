@@ -119,5 +119,8 @@ def load_hf(family: str, path):
     if family == "gpt_oss_mxfp4":
         from transformers import Mxfp4Config
         kw["quantization_config"] = Mxfp4Config(dequantize=True)
-    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32,
-                                                **kw).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32, **kw)
+    # Some transformers versions keep dequantized MXFP4 experts in bf16 whatever dtype asks for (5.17 on
+    # the GPU image: its answers then carry bf16 rounding). MXFP4 values are exact in bf16, so casting
+    # back loses nothing and the oracle computes in fp32 on every version.
+    return model.float().eval()
