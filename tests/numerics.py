@@ -182,6 +182,32 @@ def assert_same_turns(got: Sequence, want: Sequence, mc, what: str = "") -> int:
     return min(len(got), len(want))
 
 
+def logprob_tolerance(mc, seq_len: int, scale: float, dtype: torch.dtype = torch.float32) -> float:
+    """How far two computations of one token's logprob at position ``seq_len`` may be apart: a logprob is
+    a logit minus the log-sum-exp of all of them, each off by up to the logit tolerance."""
+    return 2 * logit_tolerance(mc, seq_len, scale, dtype)
+
+
+def assert_same_logprobs(got_tokens: Sequence[int], got_logprobs: Sequence[float], want, mc,
+                         what: str = "") -> dict | None:
+    """A greedy answer's tokens and their logprobs (e.g. from HTTP) against the reference output ``want``
+    (with logits): the same tokens under the near-tie rule, and each logprob equal to the reference's
+    log_softmax of that token up to and including the step where they depart (the context is the same
+    until then). Returns the departure (None when identical)."""
+    d = assert_same_tokens(got_tokens, want.token_ids, want.logits, mc, want.prompt_tokens, what)
+    last = len(got_tokens) if d is None else d["at"] + 1
+    for k in range(min(last, len(got_logprobs), len(want.logits))):
+        logits = want.logits[k]
+        ref = float(torch.log_softmax(logits.double(), -1)[got_tokens[k]])
+        tol = logprob_tolerance(mc, want.prompt_tokens + k, magnitude(logits))
+        diff = abs(float(got_logprobs[k]) - ref)
+        _record("logprobs", f"{what} step {k}", diff, tol)
+        if not diff <= tol:
+            raise AssertionError(f"{what} step {k}: logprob {got_logprobs[k]:.6g} vs {ref:.6g}: differ by "
+                                 f"{diff:.3g} > tolerance {tol:.3g}")
+    return d
+
+
 def with_logits(sp):
     """The same SamplingParams, returning each step's logits: what a reference run needs for the rule."""
     import dataclasses

@@ -42,20 +42,21 @@ def test_n2_gives_two_choices_and_the_samples_share_the_prompt(oai):
 @pytest.mark.numerics
 def test_logprobs_across_prefill_and_decode_match_the_engine(oai, reference):
     prompt = "Logprobs, token by token: "
-    r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
+    r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=2,
+                               extra_body={"return_tokens_as_token_ids": True})
     want = reference.generate([reference.tokenizer.encode(prompt)], SamplingParams(max_new_tokens=6, return_logits=True))[0]
-    got = r.choices[0].logprobs.token_logprobs
-    assert len(got) == 6
-    for k, logits in enumerate(want.logits):
-        ref = torch.log_softmax(logits.double(), -1)[want.token_ids[k]]
-        numerics.assert_close(torch.tensor([got[k]], dtype=torch.float64), ref[None], n=reference.model_config.vocab_size,
-                              dtype=torch.float32, scale=float(logits.abs().max()), what=f"logprob {k}")
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == 6
+    ids = [int(t.removeprefix("token_id:")) for t in lp.tokens]
+    numerics.assert_same_logprobs(ids, lp.token_logprobs, want, reference.model_config, "prefill + decode")
 
 
 def test_stop_strings_never_leak_and_grammars_hold(oai, cluster, reference):
     prompt = "Stop strings: "
-    free = reference.tokenizer.decode(reference.generate([reference.tokenizer.encode(prompt)],
-                                                         SamplingParams(max_new_tokens=16, ignore_eos=True))[0].token_ids)
+    # The unstopped answer comes from the server itself: an engine of other batch shapes may break a
+    # near-tie the other way.
+    free = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                  extra_body={"ignore_eos": True}).choices[0].text
     stop = free[4:6]
     s = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stop=[stop], stream=True)
     streamed = "".join(c.choices[0].text for c in s if c.choices)

@@ -39,7 +39,7 @@ def verify(rec: Recorder, reference, limit: int | None = None, seed: int = 0) ->
         ok = got == want if o.kind == OK else got == want[:len(got)]
         if ok:
             continue
-        tie = explain_by_ties(reference, o) if isinstance(got, list) else None
+        tie = explain_by_ties(reference, o) if isinstance(got, list) else explain_text_by_ties(reference, o)
         if tie is None or not tie["explained"]:
             rt = explain_by_routing_tie(reference, o)
             if rt is not None:
@@ -93,6 +93,67 @@ def explain_by_ties(reference, o: Outcome, tol: float | None = None, max_ties: i
         if gap > limit or len(points) > max_ties:
             return {"explained": False, "near_ties": points}
         start += k + 1
+
+
+def explain_text_by_ties(reference, o: Outcome, tol: float | None = None, max_ties: int = 3) -> dict:
+    """``explain_by_ties`` for an answer that came back as text (/v1/completions): the token path the
+    text implies is rebuilt from the reference. At the first step where the reference's text stops
+    being a prefix of the cluster's, the cluster must have chosen a token within ``tol`` (default: the
+    policy's logit tolerance there) of the reference's top logit whose text continues its answer (tried
+    in logit order, at that step or up to three steps before it: the bytes of one character are several
+    tokens and show nothing until the last); from there the reference, continuing that token, must
+    reproduce the rest of the text. Returns the departure points, their margins and ``explained``."""
+    tok = reference.tokenizer
+    got = o.text or ""
+
+    def fits(ids: list[int]) -> bool:   # the text of ids is consistent with got, an unfinished character aside
+        return got.startswith(tok.decode(ids).rstrip("\ufffd"))
+
+    def done(ids: list[int]) -> bool:
+        text = tok.decode(ids)
+        return text == got if o.kind == OK else text.startswith(got)
+
+    def walk(ids: list[int], points: list) -> dict:
+        n = o.max_new - len(ids)
+        if n <= 0:
+            return {"explained": done(ids), "near_ties": points}
+        ctx = list(o.prompt) + ids
+        ref = reference.generate([ctx], SamplingParams(max_new_tokens=n, temperature=0.0, return_logits=True))[0]
+        path = ids + ref.token_ids
+        if done(path):
+            return {"explained": True, "near_ties": points}
+        k = next((i for i in range(len(ref.token_ids)) if not fits(path[:len(ids) + i + 1])), None)
+        if k is None or len(points) >= max_ties:
+            return {"explained": False, "near_ties": points}
+        best = None
+        for j in range(k, max(-1, k - 4), -1):
+            logits = ref.logits[j].float()
+            limit = tol if tol is not None else numerics.logit_tolerance(
+                reference.model_config, len(ctx) + j, numerics.magnitude(logits))
+            for t in logits.argsort(descending=True).tolist():
+                margin = float(logits.max() - logits[t])
+                if margin > limit:
+                    break
+                head = path[:len(ids) + j] + [t]
+                if t == ref.token_ids[j] or not fits(head):
+                    continue
+                point = {"at": len(ids) + j, "ref_token": ref.token_ids[j], "got_token": t, "ref_margin": margin,
+                         "tolerance": limit}
+                res = walk(head, points + [point])
+                if res["explained"]:
+                    return res
+                best = best or res
+        if best is not None:
+            return best
+        # No token within the tolerance continues the text: report the reference's margin to the runner-up.
+        logits = ref.logits[k].float()
+        return {"explained": False, "near_ties": points + [{
+            "at": len(ids) + k, "ref_token": ref.token_ids[k], "got_token": None,
+            "ref_margin": float(logits.topk(2).values[0] - logits.topk(2).values[1]),
+            "tolerance": tol if tol is not None else numerics.logit_tolerance(
+                reference.model_config, len(ctx) + k, numerics.magnitude(logits))}]}
+
+    return walk([], [])
 
 
 # Top-k MoE routing has near-ties too: a token's k-th and (k+1)-th expert logits can be 1e-6 apart, and

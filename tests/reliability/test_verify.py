@@ -6,7 +6,7 @@ import pytest
 
 from engine import Engine, SamplingParams
 from tests import numerics
-from tests.reliability.judge import explain_by_ties, explain_by_routing_tie, verify
+from tests.reliability.judge import explain_by_routing_tie, explain_by_ties, explain_text_by_ties, verify
 from tests.reliability.workload import ABORTED, OK, Outcome, Recorder
 from tests.routing_probe import RouterProbe
 
@@ -79,6 +79,34 @@ def test_a_departure_is_excused_only_at_a_near_tie(ref):
     assert not res["explained"] and [t["at"] for t in res["near_ties"]] == [4, 7]
     # An aborted stream: the excused prefix is enough.
     assert explain_by_ties(ref, _outcome(p, flipped[:6], 10, ABORTED), tol=gap + noise)["explained"]
+
+
+def _text(ref, prompt, tokens, max_new, kind=OK):
+    """The same answer as /v1/completions returns it: text, no token ids."""
+    return Outcome(kind, "/v1/completions", False, prompt, max_new, [], 0.0, 1.0,
+                   text=ref.tokenizer.decode(tokens))
+
+
+def test_a_text_answer_departing_at_a_near_tie_is_excused_only_there(ref):
+    # The same departure as above, seen as text: the judge rebuilds the token path the text implies.
+    p = _prompt(3)
+    flipped, gap, noise = _flip_at(ref, p, 10, 4)
+    assert gap > noise
+    ok = explain_text_by_ties(ref, _text(ref, p, flipped, 10), tol=gap + noise)
+    assert ok["explained"] and [t["at"] for t in ok["near_ties"]] == [4], ok
+    assert not explain_text_by_ties(ref, _text(ref, p, flipped, 10), tol=gap - noise)["explained"]
+    # A later token that is not the reference's continuation is still caught (an ASCII letter: another
+    # byte could render as the same replacement character as the one it replaces).
+    broken = flipped[:7] + [65 if flipped[7] != 65 else 66] + flipped[8:]
+    assert ref.tokenizer.decode(broken) != ref.tokenizer.decode(flipped)
+    res = explain_text_by_ties(ref, _text(ref, p, broken, 10), tol=gap + noise)
+    assert not res["explained"] and [t["at"] for t in res["near_ties"]][:1] == [4], res
+    # Through verify, with the default tolerance: an ordinary token's margin is no tie, so it is wrong.
+    res = verify(Recorder([_text(ref, p, flipped, 10)]), ref)
+    assert len(res["wrong"]) == 1 and res["near_ties"] == [] and not res["wrong"][0]["explained"]
+    # An aborted stream whose text is a prefix of the excused answer passes too.
+    cut = _text(ref, p, flipped[:6], 10, ABORTED)
+    assert explain_text_by_ties(ref, cut, tol=gap + noise)["explained"]
 
 
 def test_the_default_tolerance_excuses_no_ordinary_token(ref):

@@ -67,18 +67,14 @@ def test_n_gives_n_choices_sharing_one_prefill(oai, http):
 @pytest.mark.numerics
 def test_logprobs_are_log_softmax_of_the_engines_logits(oai, reference):
     prompt = "The capital of France is"
-    r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=3)
+    r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=3,
+                               extra_body={"return_tokens_as_token_ids": True})
     ids = reference.tokenizer.encode(prompt)
     want = reference.generate([ids], SamplingParams(max_new_tokens=5, return_logits=True))[0]
     lp = r.choices[0].logprobs
-    assert len(lp.token_logprobs) == 5
-    for k, logits in enumerate(want.logits):
-        ref = torch.log_softmax(logits.double(), -1)
-        tok = want.token_ids[k]
-        numerics.assert_close(torch.tensor([lp.token_logprobs[k]], dtype=torch.float64), ref[tok:tok + 1],
-                              n=reference.model_config.vocab_size, dtype=torch.float32,
-                              scale=float(logits.abs().max()), what=f"logprob {k}")
-        assert len(lp.top_logprobs[k]) <= 3
+    assert len(lp.token_logprobs) == 5 and all(len(t) <= 3 for t in lp.top_logprobs)
+    got = [int(t.removeprefix("token_id:")) for t in lp.tokens]
+    numerics.assert_same_logprobs(got, lp.token_logprobs, want, reference.model_config, "completions logprobs")
     c = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                     temperature=0, logprobs=True, top_logprobs=2)
     content = c.choices[0].logprobs.content
@@ -89,8 +85,10 @@ def test_logprobs_are_log_softmax_of_the_engines_logits(oai, reference):
 
 def test_stop_strings_never_appear_streamed_or_final(oai, http, reference):
     prompt = "Once upon a time"
-    ids = reference.tokenizer.encode(prompt)
-    free = reference.tokenizer.decode(reference.generate([ids], SamplingParams(max_new_tokens=20, ignore_eos=True))[0].token_ids)
+    # The unstopped answer comes from the same server (another engine's batch shapes may break a
+    # near-tie the other way).
+    free = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
+                                  extra_body={"ignore_eos": True}).choices[0].text
     stop = free[5:7]
     r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stop=[stop])
     assert stop not in r.choices[0].text and r.choices[0].finish_reason == "stop"

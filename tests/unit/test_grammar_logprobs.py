@@ -97,7 +97,14 @@ def test_logprobs_are_log_softmax_of_the_logits_sampled_from(eng):
         got = torch.tensor([lp.logprob] + [v for _, v in lp.top], dtype=torch.float64)
         ref = torch.cat([want[lp.token_id:lp.token_id + 1], want[[i for i, _ in lp.top]]])
         numerics.assert_close(got, ref, n=mc.vocab_size, dtype=torch.float32, what="logprobs")
-        assert [i for i, _ in lp.top] == want.topk(5).indices.tolist() or len(set(want.topk(6).values.tolist())) < 6
+        # The top 5, in order, up to float32 rounding: an alternative may trade places with another (or
+        # with the 6th) only where their logprobs are within twice the tolerance of each other.
+        slack = 2 * numerics.tolerance(torch.float32, mc.vocab_size, numerics.magnitude(ref))
+        top = [i for i, _ in lp.top]
+        assert all(float(want[a]) >= float(want[b]) - slack for a, b in zip(top, top[1:])), (top, want[top])
+        rest = want.clone()
+        rest[top] = float("-inf")
+        assert float(rest.max()) <= min(float(want[i]) for i in top) + slack, (top, want.topk(6))
 
 
 @pytest.mark.numerics
@@ -117,8 +124,9 @@ def test_prompt_logprobs_score_each_prompt_token_from_the_position_before(eng, s
         logits = ref.generate([ids[:pos]], SamplingParams(max_new_tokens=1, return_logits=True))[0].logits[0]
         want = torch.log_softmax(logits.double(), -1)[ids[pos]]
         assert e.token_id == ids[pos] and len(e.top) == 2
-        numerics.assert_close(torch.tensor([e.logprob]), want[None], n=eng.model_config.vocab_size,
-                              dtype=torch.float32, scale=float(logits.abs().max()), what=f"prompt logprob {pos}")
+        # A cached prompt against a fresh run of its first pos tokens: two batch shapes, the policy's rule.
+        tol = numerics.logprob_tolerance(eng.model_config, pos, numerics.magnitude(logits))
+        assert abs(e.logprob - float(want)) <= tol, (pos, e.logprob, float(want), tol)
         if pos > start + 3 and pos < len(ids) - 3:
             break   # a few positions at each edge of the range are enough
 

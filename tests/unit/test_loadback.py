@@ -45,8 +45,11 @@ def test_loads_are_read_and_no_hit_is_given_up_under_l1_pressure():
     ref = run_rounds(Engine.from_pretrained("strata-tiny", **small), convs, numerics.with_logits(SP))
     eng = Engine.from_pretrained("strata-tiny", **small, poison_kv=True, hicache=HiCacheConfig(host_pages=4000))
     got = run_rounds(eng, convs, check=True)
-    for r, (g, w) in enumerate(zip(got, ref)):
-        numerics.assert_same_outputs(g, w, eng.model_config, f"round {r}")
+    # Conversation by conversation: each side feeds its own answers into the next round, so after an
+    # excused departure (a reference near-tie) the later prompts differ and are not compared.
+    for i in range(len(convs)):
+        numerics.assert_same_turns([rnd[i] for rnd in got], [rnd[i] for rnd in ref], eng.model_config,
+                                   f"conversation {i}")
     st = eng.stats()["cache"]
     lb = st["loadback"]
     assert st["hit_tokens"]["L2"] > 0 and lb["loaded"] > 0, st
