@@ -20,6 +20,9 @@ class ObliviousHostTier(HostTier):
         super().__init__(*a, **kw)
         self.oblivious: dict[int, int] = {}   # full L2 page -> the host SWA page reserved beside it
 
+    def backs_up(self, node: Node) -> bool:
+        return True   # every sliding page it has, kept window or not: it does not tell them apart
+
     def reserved(self, node: Node, c: str, dst: list[int]) -> None:
         if c == FULL:
             if SWA in self.components and node.l1[SWA] is None and node.l2[SWA] is None \

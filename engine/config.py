@@ -29,6 +29,9 @@ class EngineConfig:
     torch_threads: int = 0               # intra-op threads for this process; 0 keeps torch's default
     enable_prefix_cache: bool = False
     prefix_eviction: str = "slru"        # slru | lru (slru: never-reused pages go first; storage/radix_lru.py)
+    # Tokens between kept SWA windows of a prompt (checkpoints, where a later prompt may branch off): 0 is
+    # one window kept per four windows of prompt (KVGeometry.checkpoint_pages); rounded down to pages.
+    swa_checkpoint_interval: int = 0
     hicache: HiCacheConfig | None = None  # the L2 host tier; None keeps the cache in L1 only
     eplb: EplbConfig | None = None       # expert slots + rebalancer knobs; None: logical experts only
 
@@ -42,6 +45,10 @@ class EngineConfig:
             raise ValueError(f"chunk_size must be an int >= 0, got {self.chunk_size!r}")
         if isinstance(self.torch_threads, bool) or not isinstance(self.torch_threads, int) or self.torch_threads < 0:
             raise ValueError(f"torch_threads must be an int >= 0, got {self.torch_threads!r}")
+        if isinstance(self.swa_checkpoint_interval, bool) or not isinstance(self.swa_checkpoint_interval, int) \
+                or self.swa_checkpoint_interval < 0:
+            raise ValueError(f"swa_checkpoint_interval must be an int >= 0 (tokens; 0: four windows), "
+                             f"got {self.swa_checkpoint_interval!r}")
         if not isinstance(self.debug_integrity, bool):
             raise ValueError(f"debug_integrity must be a bool, got {self.debug_integrity!r}")
         if self.prefix_eviction not in ("lru", "slru"):

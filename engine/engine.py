@@ -75,6 +75,19 @@ class StepOutput:
     matched_stop: int | str | None = None
 
 
+def check_boundaries(boundaries, prompt_len: int) -> tuple[int, ...]:
+    """Message boundaries as sorted positions inside the prompt; ValueError naming the field otherwise."""
+    try:
+        out = sorted({int(b) for b in boundaries if not isinstance(b, bool)})
+    except (TypeError, ValueError):
+        raise ValueError(f"boundaries: must be token positions, got {boundaries!r}") from None
+    if len(out) != len(list(boundaries)) and any(isinstance(b, bool) for b in boundaries):
+        raise ValueError("boundaries: must be token positions, not booleans")
+    if out and not (0 < out[0] and out[-1] <= prompt_len):
+        raise ValueError(f"boundaries: positions must be in [1, {prompt_len}], got {out[0]}..{out[-1]}")
+    return tuple(out)
+
+
 class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
@@ -114,7 +127,7 @@ class Engine:
             self.cache = HiCache(self.pools, self.geometry, cfg.hicache, model_id=self.model_id(),
                                  eviction=cfg.prefix_eviction)
         # The one owner of every request's L1 pages (the scheduler only decides).
-        self.kv = KVManager(self.geometry, self.pools, self.cache, lambda: self._now)
+        self.kv = KVManager(self.geometry, self.pools, self.cache, lambda: self._now, cfg.swa_checkpoint_interval)
         if self.cache is not None:
             self.hooks = PrefixCacheHooks(self.cache, self.kv, lambda: self._now)
         self.scheduler = Scheduler(self.kv, cfg.max_batch_tokens, cfg.max_running_requests,
@@ -160,11 +173,15 @@ class Engine:
         return ids
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, rid: str | None = None,
-                    prefill_only: bool = False) -> str:
+                    prefill_only: bool = False, boundaries: Sequence[int] = ()) -> str:
         """Queue a request. ``prefill_only``: stop after the first token and keep the prompt's KV as
-        ``kv_payload`` for a decode engine (finish_reason "prefill" unless the first token ends it)."""
+        ``kv_payload`` for a decode engine (finish_reason "prefill" unless the first token ends it).
+        ``boundaries``: token positions where the prompt's messages end (engine/model/chat.py
+        ``message_boundaries``): the cache keeps the sliding window before each, for prompts branching
+        off there."""
         req = self._new_request(prompt, params, rid)
         req.prefill_only = prefill_only
+        req.boundaries = check_boundaries(boundaries, len(req.prompt_ids))
         self.requests[req.rid] = req
         if req.params.max_new_tokens == 0:
             self._finish(req, "length")
@@ -341,6 +358,10 @@ class Engine:
             req.num_computed = sq.end
             key = "decode_tokens" if sq.n == 1 and req.output_ids else "prefill_tokens"
             self.counters[key] += sq.n
+            if not sq.samples and self.cache is not None:
+                # A chunk of a longer prompt: its sliding KV before the window becomes the tree's now
+                # (evictable, matchable), not the request's until the prompt ends.
+                self.kv.commit(req, keep_end=False)
         for i, (sq, tok) in enumerate(zip(samplers, toks)):
             req = sq.req
             if req.params.return_logits:

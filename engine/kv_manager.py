@@ -4,7 +4,11 @@ is written here only, and every L1 page a request takes or gives back passes thr
 Operations, in a request's life:
 * ``borrow``  -- take a prefix hit's pages from the cache (already locked by the match) as shared pages;
 * ``extend``  -- allocate what the next positions need (``slide`` first frees the SWA pages leaving the
-  window, reusing them for the new positions where it can);
+  window, reusing them for the new positions where it can). With a prefix cache, a prefill chunk also
+  writes the sliding KV of its positions before the window (*interior* pages) when SWA room allows,
+  without evicting a kept window for it, and ``commit`` hands them to the tree after every chunk: out
+  of the window they are evictable, matchable tree data, so a later prompt branching off inside this
+  one finds the window before its branch point (storage/radix.py, "Retention");
 * ``import_pages`` / ``import_leased`` -- pages arriving by a P/D transfer;
 * ``commit``  -- hand the request's whole pages to the prefix cache (a prompt just prefilled, or the
   finished sequence), keeping them as borrowed pages or giving up the rest;
@@ -37,6 +41,7 @@ class PageTable:
     num_shared_full: int = 0               # leading full pages borrowed from the prefix cache
     shared_swa: set[int] = field(default_factory=set)        # logical SWA pages borrowed from it
     swa_valid_from: int = 0                # SWA KV of earlier positions was never stored
+    interior: set[int] = field(default_factory=set)   # logical SWA pages below the window, until committed
 
     def owned_full(self) -> list[int]:
         return self.full[self.num_shared_full:]
@@ -55,8 +60,12 @@ class Extent(NamedTuple):
 
 
 class KVManager:
+    retain_interior = True
+    """Write and cache the sliding KV of a prompt's interior (see the module doc). bench/branch.py turns it
+    off for its window-only row (the retention before [branch]); nothing in serving does."""
+
     def __init__(self, geom: KVGeometry, pools: KVPools, cache: "HiCache | None" = None,
-                 clock: Callable[[], float] = lambda: 0.0) -> None:
+                 clock: Callable[[], float] = lambda: 0.0, checkpoint_interval: int = 0) -> None:
         self.geom = geom
         self.ps = geom.page_size
         self.pools = pools
@@ -70,6 +79,7 @@ class KVManager:
         # to the allocator only after it (anyone else could overwrite them before the read).
         self._retired: list[int] = []
         self.holders: dict[str, "Request"] = {}   # requests whose table may hold pages, by rid
+        self.checkpoint_pages = geom.checkpoint_pages(checkpoint_interval)
 
     # ---- room --------------------------------------------------------------------------------------
     def allocator(self, comp: str) -> PageAllocator:
@@ -119,7 +129,14 @@ class KVManager:
         self.holders[req.rid] = req
 
     def extend(self, req: "Request", n: int) -> Extent | None:
-        """Allocate what positions [num_computed, num_computed + n) need, or nothing at all (None)."""
+        """Allocate what positions [num_computed, num_computed + n) need, or nothing at all (None).
+
+        SWA: the window is required. Interior sliding KV (prefix cache on: a chunk's positions below its
+        window, and the request's own pages leaving the window) is kept only as far as free pages and
+        interior pages the cache holds allow, the pages nearest the window first, so keeping it never
+        costs a kept window or a request its place: under pressure the request falls back to writing
+        and keeping the window alone. Cost: a chunk of C tokens takes up to C / page_size SWA pages
+        instead of window_pages + 1."""
         t, ps, s = req.pages, self.ps, req.num_computed
         e = s + n
         need_full = self.geom.pages(e) - len(t.full)
@@ -127,18 +144,44 @@ class KVManager:
             return None
         leaving: list[int] = []
         new_logical: list[int] = []
-        swa_lo = keep_from = s
+        swa_lo = keep_from = first_write = s
         if self.swa is not None:
             swa_lo = self.geom.swa_lo(s)
             keep_from = self.keep_from(e)
             first_write = max(s, keep_from)
-            if first_write < e:
-                new_logical = [a for a in range(first_write // ps, (e - 1) // ps + 1)
-                               if a >= len(t.swa) or t.swa[a] is None]
-            leaving = [a for a, p in enumerate(t.swa) if p is not None and (a + 1) * ps <= keep_from]
-            need = max(0, len(new_logical) - sum(a not in t.shared_swa for a in leaving))
+            window = [a for a in range(first_write // ps, (e - 1) // ps + 1)
+                      if a >= len(t.swa) or t.swa[a] is None] if first_write < e else []
+            interior = self._interior(t, s, first_write)
+            lo = interior[0] if interior else first_write // ps
+            below = [a for a, p in enumerate(t.swa) if p is not None and (a + 1) * ps <= keep_from and a < lo]
+            owned_below = [a for a in below if a not in t.shared_swa]
+            need = max(0, len(window) - len(owned_below))
             if not self.ensure(SWA, need):
                 return None
+            stay: list[int] = []
+            if interior or (self.page_aligned and self.retain_interior):
+                missing = [a for a in interior if a >= len(t.swa) or t.swa[a] is None]
+                # Whole pages of its own the request may keep as interior instead of reusing them.
+                cands = [a for a in owned_below if a * ps >= t.swa_valid_from] if self.retain_interior else []
+                order = sorted(missing, reverse=True) + sorted(cands, reverse=True)   # nearest the window first
+                room = self.swa.num_free - len(window) + len(owned_below)
+                if len(order) > room and self.cache is not None:
+                    self.cache.evict_l1(SWA, len(order) - room, spare_kept=True)
+                    room = self.swa.num_free - len(window) + len(owned_below)
+                take = set(order[:max(0, room)])
+                if any(a not in take for a in missing):   # short: the top of this chunk's interior only
+                    cut = min((a for a in missing if a in take), default=first_write // ps)
+                    interior = [a for a in interior if a >= cut]
+                    below = [a for a, p in enumerate(t.swa) if p is not None and (a + 1) * ps <= keep_from
+                             and a < cut]
+                missing = [a for a in missing if a in take]
+                stay = [a for a in cands if a in take]
+                new_logical = missing + window
+                if interior:
+                    first_write = max(s, interior[0] * ps)
+            else:
+                new_logical = window
+            leaving = [a for a in below if a not in stay]
         # Commit: nothing below can fail.
         t.full += self.full.alloc(max(0, need_full))
         self.holders[req.rid] = req
@@ -155,11 +198,25 @@ class KVManager:
             if a >= len(t.swa):
                 t.swa += [None] * (a + 1 - len(t.swa))
             t.swa[a] = p
-        first_write = max(s, keep_from)
         if first_write > s:  # positions [s, first_write) never reach the SWA pool
             t.swa_valid_from = max(t.swa_valid_from, first_write)
+        t.interior = {a for a, p in enumerate(t.swa) if p is not None and a not in t.shared_swa
+                      and (a + 1) * ps <= keep_from}
         swa_write = [(pos, t.swa[pos // ps], pos % ps) for pos in range(first_write, e)]
         return Extent(t.full[:self.geom.pages(e)], swa_lo, swa_read, swa_write)
+
+    def _interior(self, t: PageTable, s: int, first_write: int) -> list[int]:
+        """Logical pages below the window that positions [s, first_write) would complete: those whose
+        data starts at their first position (a page begun before ``s`` only if the request holds it whole
+        from there). Empty without a prefix cache or for a decode step."""
+        if not (self.page_aligned and self.retain_interior) or first_write <= s:
+            return []
+        ps = self.ps
+        a0 = s // ps
+        if s % ps and not (a0 < len(t.swa) and t.swa[a0] is not None and a0 not in t.shared_swa
+                           and a0 * ps >= t.swa_valid_from):
+            a0 += 1
+        return list(range(a0, first_write // ps))
 
     def slide(self, req: "Request", leaving: Iterable[int]) -> list[int]:
         """Drop the logical SWA pages ``leaving`` (out of the window) from the table; -> the pages among
@@ -208,8 +265,13 @@ class KVManager:
         for comp, ps in pages.items():
             self.allocator(comp).free(ps)
 
-    def commit(self, req: "Request", finished: bool = False) -> None:
+    def commit(self, req: "Request", finished: bool = False, keep_end: bool = True) -> None:
         """Insert the request's whole computed pages into the prefix cache (no-op without one).
+
+        The windows kept for later branches (storage/radix.py, "Retention"): before the end unless
+        ``keep_end`` is False (a prompt's chunk, committed so its interior sliding KV becomes the tree's),
+        before each of the request's message boundaries (``Request.boundaries``) and every
+        ``checkpoint_pages`` pages of what this commit adds.
 
         ``finished=False`` (a prompt just prefilled, the request decodes on): the pages become borrowed
         ones, locked while it runs. Decode would otherwise slide the SWA window past the prompt's end
@@ -222,18 +284,27 @@ class KVManager:
         n = req.num_computed // ps
         if not finished and n <= t.num_shared_full:
             return  # the cache already holds every whole page (the prompt ends inside its hit's last)
-        # Only pages written from their first position are whole SWA data the cache can serve.
-        swa = [p if a * ps >= t.swa_valid_from else None for a, p in enumerate((t.swa + [None] * n)[:n])]
+        # Only pages written from their first position are whole SWA data the cache can serve. A prompt's
+        # chunk keeps the pages its next chunk reads as its own (reused when they leave the window, if
+        # SWA room is short), and hands the tree the ones below.
+        upto = n if keep_end or finished else min(n, self.keep_from(req.num_computed) // ps)
+        swa = [p if a * ps >= t.swa_valid_from and a < upto and a not in t.shared_swa else None
+               for a, p in enumerate((t.swa + [None] * n)[:n])]
         keys = req.hit.keys if req.hit is not None else None
+        # Checkpoints of the previous chunk's last window are marked again: its SWA arrives only now.
+        marks = self.checkpoints(req, max(0, t.num_shared_full - self.geom.window_pages - 1), n)
+        t.interior.clear()   # the tree's now, or freed below as duplicates
         if finished:
-            dup_full, dup_swa = self.cache.insert(req.tokens(0, n * ps), t.full[:n], swa, self.clock(), keys)
+            dup_full, dup_swa = self.cache.insert(req.tokens(0, n * ps), t.full[:n], swa, self.clock(), keys,
+                                                  checkpoints=marks)
             dup_full = dup_full + t.full[max(n, t.num_shared_full):]
             dup_swa = dup_swa + [p for a, p in enumerate(t.swa)
                         if p is not None and a not in t.shared_swa and (a >= n or swa[a] is None)]
             t.full, t.swa, t.num_shared_full, t.shared_swa, t.swa_valid_from = [], [], 0, set(), 0
         else:
             hit, dup_full, dup_swa = self.cache.insert_and_hold(req.tokens(0, n * ps), t.full[:n], swa,
-                                                                self.clock(), keys)
+                                                                self.clock(), keys, keep_end=keep_end,
+                                                                checkpoints=marks)
             t.full[:n] = hit.full_pages
             t.num_shared_full = n
             for a, p in enumerate(swa):
@@ -241,7 +312,7 @@ class KVManager:
                     t.swa[a] = None
                     t.shared_swa.discard(a)
             for a, q in enumerate(hit.swa_pages):
-                if q is not None:
+                if q is not None and t.swa[a] is None:   # a page of its own stays its own
                     t.swa[a] = q
                     t.shared_swa.add(a)
         self.full.free(dup_full)
@@ -251,6 +322,17 @@ class KVManager:
                 self.cache.release(req.hit)
             req.hit = hit
 
+    def checkpoints(self, req: "Request", done: int, n: int) -> list[int]:
+        """Page indices in (0, n] whose preceding window the tree keeps for ``req``: its message boundaries
+        (a later prompt that edits or adds a message branches there) and, past ``done`` pages (those an
+        earlier commit or its hit covered), every ``checkpoint_pages`` pages (raw prompts: any edit or
+        truncation finds a window at most that far back)."""
+        ps, every = self.ps, self.checkpoint_pages
+        out = [b // ps for b in req.boundaries if 0 < b // ps <= n]
+        if every:
+            out += range(max(every, (done // every + 1) * every), n + 1, every)
+        return out
+
     def release(self, req: "Request") -> None:
         """Give back everything the request holds: its own pages to the pools, its hit to the cache.
         ``swa_valid_from`` survives (a recompute after preemption keeps the stricter bound, as before)."""
@@ -259,6 +341,7 @@ class KVManager:
         if self.swa is not None:
             self.swa.free(t.owned_swa())
         t.full, t.swa, t.num_shared_full, t.shared_swa = [], [], 0, set()
+        t.interior.clear()
         self.holders.pop(req.rid, None)
         if req.hit is not None and self.cache is not None:
             self.cache.release(req.hit)
@@ -291,8 +374,11 @@ class KVManager:
         bound = self.geom.swa_pages_bound
         for rid, r in self.holders.items():
             t = r.pages
-            if self.swa is not None and len(t.owned_swa()) > bound:
-                raise AssertionError(f"{rid} holds {len(t.owned_swa())} SWA pages > bound {bound}")
+            # Interior pages are held only from a chunk's extend to its commit (the same step).
+            held = [p for a, p in enumerate(t.swa) if p is not None and a not in t.shared_swa and a not in t.interior]
+            if self.swa is not None and len(held) > bound:
+                raise AssertionError(f"{rid} holds {len(held)} SWA pages > bound {bound} "
+                                     f"(+ {len(t.interior)} interior pages of this step)")
             if r.hit is None and (t.num_shared_full or t.shared_swa):
                 raise AssertionError(f"{rid} borrows pages without a cache hit")
             if t.num_shared_full > len(t.full) or any(a >= len(t.swa) or t.swa[a] is None for a in t.shared_swa):

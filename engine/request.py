@@ -43,6 +43,9 @@ class Request:
     prompt_logprobs: list | None = None   # TokenLogprob | None per prompt position from logprob_start_len
     new_prompt_logprobs: int = 0          # of those, how many the next StepOutput has not carried yet
     matched_stop: int | str | None = None
+    # Token positions where a message of the prompt ends (the chat template's render): a later prompt
+    # editing or adding a message branches there, so the cache keeps the sliding window before each.
+    boundaries: tuple[int, ...] = ()
 
     def prompt_logprob_positions(self, start: int, end: int) -> list[int]:
         """Of the positions [start, end) run this step, those whose logits score a prompt token still

@@ -80,6 +80,21 @@ class KVGeometry:
             return 0
         return max(0, ((end - 1) // self.page_size - self.window_pages) * self.page_size)
 
+    CHECKPOINT_WINDOWS = 4
+    """Default spacing of a prompt's kept SWA windows (checkpoints), in windows: one window kept per four
+    windows of prompt, so checkpoints cost at most a quarter of the interior sliding KV and a branch point
+    anywhere in a prompt finds one at most ``4 * window_pages`` pages before it."""
+
+    def checkpoint_pages(self, interval_tokens: int = 0) -> int:
+        """Pages between checkpoints: ``interval_tokens`` rounded down to whole pages (at least one), or
+        for 0 the default rule (``CHECKPOINT_WINDOWS`` windows: 256 tokens for a window of 64 and pages of
+        16). 0 without sliding layers (nothing to keep)."""
+        if not self.window:
+            return 0
+        if interval_tokens:
+            return max(1, interval_tokens // self.page_size)
+        return self.CHECKPOINT_WINDOWS * self.window_pages
+
     def plan_pages(self, prompt_len: int) -> tuple[int, int, int]:
         """(full pages, first SWA logical page, SWA pages) a decode side reserves for a prompt. The SWA
         range starts at ``swa_aligned_first_page`` (the earliest a prefill export may use)."""

@@ -29,6 +29,13 @@ Rules (checked by ``check_integrity``, see storage/radix_check.py):
   in L2 but not in L1 (L2 is its top copy -- never in both lists for the same data), is unlocked for
   c, and, for full, no child holds full L1 or L2. SWA has no leaf condition: tombstoning an internal
   node is harmless, and a window shares one timestamp, so children still go first.
+* **Retention** (``swa_keep``). The caller may insert the sliding KV of every page it computed, not only
+  the last window: out-of-window pages are evictable, matchable data. The windows before *kept points*
+  -- an insert's end (``keep_end``), the point where an insert branches off the existing tree, and the
+  caller's ``checkpoints`` (message boundaries, every ``swa_checkpoint_interval`` tokens) -- are cut into
+  nodes of their own and flagged ``swa_keep``; the SWA lists take every unflagged (interior) node before
+  any flagged one (radix_lru.py), and write policies back up only flagged SWA data (L2/L3 hold one window
+  per kept point). A node that becomes a SWA tombstone loses the flag.
 * **Eviction** of (c, tier) from a node drops that copy. Full: if no other full copy is left the node
   and its subtree are removed (``on_evict`` lets a write-back controller back it up first). SWA: the
   node stays, tombstoned if no other SWA copy is left.
@@ -81,7 +88,7 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
         # SLRU orders the full lists only: SWA recency already follows the live window (module doc).
         protect = SLRU_PROTECTED if eviction == "slru" else 0.0
         self._lru = {(c, t): LRUIndex(f"{c}/{t}", "last_access" if c == FULL else "swa_access",
-                                      protect if c == FULL else 0.0, 1 << i)
+                                      protect if c == FULL else 0.0, 1 << i, keep_first=c == SWA)
                      for i, (c, t) in enumerate((c, t) for c in COMPONENTS for t in PAGE_TIERS)}
         self._full_lrus = tuple(self._lru[(FULL, t)] for t in PAGE_TIERS)
         self._lrus_of = {c: (self._lru[(c, L1)], self._lru[(c, L2)]) for c in COMPONENTS}
@@ -263,7 +270,8 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
 
     def insert(self, keys: Sequence[bytes], full_pages: Sequence[int],
                swa_pages: Optional[Sequence[Optional[int]]] = None, *, now: float,
-               tokens: Optional[Sequence[int]] = None) -> InsertResult:
+               tokens: Optional[Sequence[int]] = None, keep_end: bool = True,
+               checkpoints: Sequence[int] = ()) -> InsertResult:
         """Insert a finished sequence of ``len(keys)`` pages with its L1 pages.
 
         ``full_pages[i]`` is the full L1 page of page i; ``swa_pages`` is aligned with the pages, None
@@ -273,6 +281,11 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
         ``tokens`` (``len(keys) * page_size`` ids, the ones the keys were computed from) are stored on
         new edges, where later matches compare them instead of hashing; a SequenceKeys ``keys`` brings
         its own.
+
+        Kept windows (module doc, "Retention"): the one before the insert's end unless ``keep_end`` is
+        False (a prompt inserted chunk by chunk: its chunk ends are not points anyone resumes from), the
+        one before the point where the insert branches off the tree, and those before ``checkpoints``
+        (page indices in ``(0, len(keys)]``).
         """
         n = len(keys)
         full = list(full_pages)
@@ -300,6 +313,8 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
             self._absorb(child, i, full, swa, toks, res, now)
             cur, i = child, i + cut
         res.num_existing = i
+        # A new edge beside existing ones (or under a node the walk split): a branch point.
+        branch = i if 0 < i < n and cur.children else 0
         while i < n:
             r = _run(swa, i, n)
             ps = self.page_size
@@ -333,7 +348,50 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
                     slru2.add(node)
             node = node.parent
         res.node = cur
+        if self.window_pages:
+            ends = [c for c in checkpoints if 0 < c <= n]
+            if keep_end and n:
+                ends.append(n)
+            if branch:
+                ends.append(branch)
+            if ends:
+                self._keep_windows(cur, ends)
         return res
+
+    def _keep_windows(self, last: Node, ends: list[int]) -> None:
+        """Flag ``swa_keep`` on the nodes covering the window ``[e - W, e)`` before each page index ``e``
+        of ``ends`` on the path to ``last`` (which ends at or after every e), splitting nodes so that
+        each flagged node lies wholly inside a window."""
+        w, root = self.window_pages, self.root
+        spans: list[list[int]] = []   # merged [lo, hi), highest first
+        for e in sorted(set(ends), reverse=True):
+            lo = max(0, e - w)
+            if spans and e >= spans[-1][0]:
+                spans[-1][0] = min(spans[-1][0], lo)
+            else:
+                spans.append([lo, e])
+        x = last
+        for lo, hi in spans:
+            while x is not root and x.depth >= hi:
+                x = x.parent
+            while x is not root and x.end > lo:
+                if not x.has_any(SWA):   # a tombstone keeps nothing: no flag, no split
+                    if x.depth < lo:
+                        break
+                    x = x.parent
+                    continue
+                if x.end > hi:
+                    x = self._split(x, hi - x.depth)
+                up = None
+                if x.depth < lo:
+                    up = self._split(x, lo - x.depth)
+                if not x.swa_keep:
+                    x.swa_keep = True
+                    self._refresh(x, SWA)   # re-keyed behind the interior pages
+                if up is not None:
+                    x = up
+                    break
+                x = x.parent
 
     def _touch(self, node: Node, c: str) -> None:
         for t in PAGE_TIERS:
@@ -373,6 +431,8 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
             self._size[(c, tier)] += len(value or ()) - len(old or ())
         if was != now:
             self._events.append(KVEvent("stored" if now else "removed", tier, c, tuple(node.keys)))
+            if c == SWA and not now and node.swa_keep and not node.has_any(SWA):
+                node.swa_keep = False   # a tombstone keeps nothing (and may join its neighbours again)
             if c == FULL and tier != L3:
                 parent = node.parent
                 if tier == L1:
@@ -426,6 +486,7 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
         up = Node(parent, node.keys[:k], node.depth, node.tokens[:k * ps] if node.tokens else None,
                   node.last_access)
         up.swa_access, up.hit_count, up.demoted_hits = node.swa_access, node.hit_count, node.demoted_hits
+        up.swa_keep = node.swa_keep
         for slot in ("l1_full", "l1_swa", "l2_full", "l2_swa"):
             pages = getattr(node, slot)
             if pages is not None:

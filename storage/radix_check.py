@@ -116,6 +116,8 @@ def _check_node_data(node: Node, parent: Node, root: Node, seen: dict, size: Cou
         _fail(f"{node!r} holds {FULL} data in no tier")
     if node.l1[FULL] is not None and parent is not root and parent.l1[FULL] is None:
         _fail(f"{node!r} has {FULL}/L1 but its parent {parent!r} does not (L1 closure)")
+    if node.swa_keep and not node.has_any(SWA):
+        _fail(f"{node!r} is a SWA tombstone flagged as a kept window")
     for c in COMPONENTS:
         if not isinstance(node.l3[c], bool):
             _fail(f"{node!r}: L3 flag of {c} is {node.l3[c]!r}")

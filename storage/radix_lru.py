@@ -15,6 +15,12 @@ through more of them than L1 holds (the next one due is always the least recent)
 conversation's never-reused newest turn first, so every conversation keeps its older prefix. Protected
 members may hold at most ``protect`` of the list's pages: past that, the least recent ones are demoted
 (at eviction time), so stale content that was once reused cannot pin the cache for ever.
+
+**Kept windows first-kept** (``keep_first``; the SWA lists). A SWA member whose ``swa_keep`` is set (the
+window before a point where traffic branches or resumes: a sequence end, a branch point, a checkpoint;
+storage/radix.py) goes after every member that is not: interior sliding KV, which no match can start
+from unless the pages before a later point are all present, is what SWA-pool pressure takes first. No
+cap: kept windows are a bounded share of the SWA data by construction (one window per kept point).
 """
 from __future__ import annotations
 
@@ -30,16 +36,20 @@ SLRU_PROTECTED = 0.8
 """Share of a segmented list's pages protected members may hold (``prefix_eviction: slru``)."""
 
 
-def lru_key(node: Node, stamp: str = "last_access", protect: bool = False) -> _Key:
-    return (protect and node.hit_count > node.demoted_hits, getattr(node, stamp), -node.end, node.id)
+def lru_key(node: Node, stamp: str = "last_access", protect: bool = False, keep_first: bool = False) -> _Key:
+    first = node.swa_keep if keep_first else protect and node.hit_count > node.demoted_hits
+    return (first, getattr(node, stamp), -node.end, node.id)
 
 
 class LRUIndex:
     """The set of nodes currently evictable for one (component, tier), in LRU order."""
 
-    def __init__(self, name: str, stamp: str = "last_access", protect: float = 0.0, bit: int = 1) -> None:
+    def __init__(self, name: str, stamp: str = "last_access", protect: float = 0.0, bit: int = 1,
+                 keep_first: bool = False) -> None:
         if not 0.0 <= protect <= 1.0:
             raise ValueError(f"protect must be in [0, 1], got {protect!r}")
+        if keep_first and protect:
+            raise ValueError("a list orders by either kept windows or reuse, not both")
         if bit <= 0 or bit & (bit - 1):
             raise ValueError(f"bit must be a power of two, got {bit!r}")
         self.name = name
@@ -48,6 +58,7 @@ class LRUIndex:
         self.bit = bit
         self.stamp = stamp  # the Node attribute ordering this list
         self.protect = protect  # 0: plain LRU; else segmented, see the module doc
+        self.keep_first = keep_first  # kept windows after every other member, see the module doc
         self._prot: dict[int, int] = {}  # protected member id -> its pages
         self.protected_pages = 0
         self._pheap: list[tuple[_Key, int, Node]] = []  # the protected entries alone (demotion order)
@@ -74,8 +85,12 @@ class LRUIndex:
 
     def add(self, node: Node) -> None:
         """Insert, or re-key after the access time (or reuse) changed (no-op when already current)."""
-        prot = self.protect > 0 and node.hit_count > node.demoted_hits
-        key = (prot, getattr(node, self.stamp), -node.end, node.id)
+        if self.keep_first:
+            key = (node.swa_keep, getattr(node, self.stamp), -node.end, node.id)
+            prot = False   # no protected segment to cap: the first key part only orders
+        else:
+            prot = self.protect > 0 and node.hit_count > node.demoted_hits
+            key = (prot, getattr(node, self.stamp), -node.end, node.id)
         e = self._members.get(node.id)
         if e is None:
             seq = next(self._counter)
@@ -85,7 +100,7 @@ class LRUIndex:
         else:
             if e[0] == key:   # already current: touched twice with one timestamp
                 return
-            if e[0][0]:
+            if node.id in self._prot:
                 self.protected_pages -= self._prot.pop(node.id)
             seq = next(self._counter)
             e[0], e[1] = key, seq
@@ -107,7 +122,7 @@ class LRUIndex:
         if e is not None:
             node.lru_in &= ~self.bit
             self.num_pages -= e[3]
-            if e[0][0]:
+            if node.id in self._prot:
                 self.protected_pages -= self._prot.pop(node.id)
 
     def resize(self, node: Node, old_pages: int) -> None:
@@ -116,7 +131,7 @@ class LRUIndex:
         if e is not None:
             e[3] = node.num_pages
             self.num_pages += e[3] - old_pages
-            if e[0][0]:
+            if node.id in self._prot:
                 self.protected_pages += e[3] - old_pages
                 self._prot[node.id] = e[3]
 
@@ -155,7 +170,7 @@ class LRUIndex:
         prot = self.protect > 0
         if prot and self.protected_pages > self.protect * self.num_pages:
             self._demote_over_cap()
-        return iter(sorted(self.members(), key=lambda n: lru_key(n, self.stamp, prot)))
+        return iter(sorted(self.members(), key=lambda n: lru_key(n, self.stamp, prot, self.keep_first)))
 
     def _maybe_compact(self) -> None:
         """Drop stale entries once they outnumber live ones (both heaps: a long-running server re-keys
@@ -173,9 +188,10 @@ class LRUIndex:
         live = [(n.id, k) for k, seq, n in self._heap if self._live(seq, n) is not None]
         prot = self.protect > 0
         members = self._members
-        protected = {i: e[3] for i, e in members.items() if e[0][0]}
+        protected = {i: e[3] for i, e in members.items() if e[0][0] and not self.keep_first}
         return (len(live) == len(members) and len({i for i, _ in live}) == len(live)
-                and all(members[i][0] == k == lru_key(members[i][2], self.stamp, prot) for i, k in live)
+                and all(members[i][0] == k == lru_key(members[i][2], self.stamp, prot, self.keep_first)
+                        for i, k in live)
                 and all(e[2].lru_in & self.bit and e[2].id == i and e[3] == e[2].num_pages
                         for i, e in members.items())
                 and protected == self._prot and self.protected_pages == sum(protected.values())

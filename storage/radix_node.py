@@ -62,13 +62,15 @@ class Node:
     ``len(keys)`` page indices or None (data presence is all-or-nothing per node), ``l3_full`` /
     ``l3_swa`` flags, ``lock_full`` / ``lock_swa`` counts (``node.l1[c]``, ``node.lock[c]``... read and
     write them by component). ``swa_lock_starts`` counts the SWA locks whose window starts inside this
-    node (see RadixTree.lock). ``child_l1`` / ``child_l2`` (``child_full[t]``) count the children
+    node (see RadixTree.lock). ``swa_keep``: its SWA data is a kept window (RadixTree, "Retention").
+    ``child_l1`` / ``child_l2`` (``child_full[t]``) count the children
     holding full data in that page tier (for the leaf test of eviction).
     """
 
     __slots__ = ("id", "parent", "children", "keys", "tokens", "depth", "l1_full", "l1_swa", "l2_full",
                  "l2_swa", "l3_full", "l3_swa", "lock_full", "lock_swa", "swa_lock_starts", "last_access",
-                 "swa_access", "hit_count", "demoted_hits", "child_l1", "child_l2", "removed", "lru_in", "only")
+                 "swa_access", "hit_count", "demoted_hits", "child_l1", "child_l2", "removed", "lru_in", "only",
+                 "swa_keep")
 
     def __init__(self, parent: Optional["Node"], keys: list[bytes], depth: int,
                  tokens: Optional[list[int]] = None, now: float = 0.0) -> None:
@@ -90,6 +92,10 @@ class Node:
         # SWA recency apart from full: a match or insert refreshes SWA only inside the window before its
         # end, so the stale windows of earlier turns age while the path's full data stays hot.
         self.swa_access = now
+        # Whether this node's SWA data is (part of) the window before a kept point -- a sequence end, a
+        # branch point, a checkpoint (RadixTree, "Retention"): SWA-pool pressure takes it only after
+        # every interior page. Cleared when the node becomes a SWA tombstone.
+        self.swa_keep = False
         self.hit_count = 0
         self.demoted_hits = 0   # hit_count when segmented LRU last demoted it (radix_lru.py)
         self.child_l1 = self.child_l2 = 0

@@ -38,17 +38,19 @@ class TierOps:
             got += node.num_pages
         return out
 
-    def evict(self, component: str, tier: str, n_pages: int, *, on_evict: Optional[OnEvict] = None) -> Freed:
+    def evict(self, component: str, tier: str, n_pages: int, *, on_evict: Optional[OnEvict] = None,
+              spare_kept: bool = False) -> Freed:
         """Evict LRU (component, tier) data until >= ``n_pages`` pages of it are freed or nothing is
         evictable. ``on_evict(node, component, tier)`` runs before each victim is dropped (it may
         back the node up with set_l2 / set_l3, which turns a removal into a demotion). The result
-        also lists collateral pages (SWA and L2 data of removed nodes)."""
+        also lists collateral pages (SWA and L2 data of removed nodes). ``spare_kept``: SWA only, stop at
+        the first kept window (radix.py, "Retention"): room for interior pages is made from interior pages."""
         if component not in COMPONENTS or tier not in PAGE_TIERS:
             raise ValueError(f"cannot evict {component!r} from {tier!r}")
         lru, freed = self._lru[(component, tier)], Freed()
         while len(freed[component, tier]) < n_pages:
             node = lru.peek()
-            if node is None:
+            if node is None or (spare_kept and node.swa_keep):
                 break
             if on_evict is not None:
                 on_evict(node, component, tier)

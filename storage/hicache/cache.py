@@ -274,22 +274,25 @@ class HiCache:
 
     # ---- insert ------------------------------------------------------------------------------------
     def insert(self, tokens: Sequence[int], full_pages: Sequence[int], swa_pages: Sequence[Optional[int]],
-               now: float, keys: Optional[SequenceKeys] = None) -> tuple[list[int], list[int]]:
+               now: float, keys: Optional[SequenceKeys] = None, keep_end: bool = True,
+               checkpoints: Sequence[int] = ()) -> tuple[list[int], list[int]]:
         """Hand a finished sequence's whole pages to the tree. Returns (full, swa) L1 pages the caller
         still owns and must free (duplicates of pages the tree already had). ``keys``: the request's
-        ``PrefixHit.keys``, so what its match already knows is not hashed again."""
+        ``PrefixHit.keys``, so what its match already knows is not hashed again. ``keep_end`` and
+        ``checkpoints``: the windows the tree keeps (RadixTree.insert)."""
         n = len(full_pages)
         if n == 0:
             return [], []
         swa = swa_pages if self.has_swa else None   # the tree copies both lists
         keys = keys.extended(tokens, n) if keys is not None else self.tree.sequence_keys(tokens, n)
-        res = self.tree.insert(keys, full_pages, swa, now=now)
+        res = self.tree.insert(keys, full_pages, swa, now=now, keep_end=keep_end, checkpoints=checkpoints)
         self._write.inserted(res.node)
         return res.free_full, res.free_swa
 
     def insert_and_hold(self, tokens: Sequence[int], full_pages: Sequence[int],
                         swa_pages: Sequence[Optional[int]], now: float,
-                        keys: Optional[SequenceKeys] = None) -> tuple[PrefixHit, list[int], list[int]]:
+                        keys: Optional[SequenceKeys] = None, keep_end: bool = True,
+                        checkpoints: Sequence[int] = ()) -> tuple[PrefixHit, list[int], list[int]]:
         """``insert`` for a request that keeps running on these pages (a prompt just prefilled): the
         inserted sequence comes back locked as a hit whose ``full_pages`` / ``swa_pages`` (the last
         window) are the tree's pages the request must read from now on, with the request's duplicates
@@ -298,7 +301,7 @@ class HiCache:
         n = len(full_pages)
         swa = list(swa_pages) if self.has_swa else [None] * n
         keys = keys.extended(tokens, n) if keys is not None else self.tree.sequence_keys(tokens, n)
-        res = self.tree.insert(keys, list(full_pages), swa, now=now)
+        res = self.tree.insert(keys, list(full_pages), swa, now=now, keep_end=keep_end, checkpoints=checkpoints)
         hit = PrefixHit(node=res.node, num_pages=n, keys=keys)
         self._lock(hit)
         gather_l1(hit, res.node.path(), n, self.tree.window_pages)   # an insert leaves its whole path in L1
@@ -306,9 +309,10 @@ class HiCache:
         return hit, res.free_full, res.free_swa
 
     # ---- L1 room and background work ---------------------------------------------------------------
-    def evict_l1(self, component: str, n_pages: int) -> int:
-        """Free at least ``n_pages`` L1 pages of ``component`` if the tree can; returns pages freed."""
-        return self._l1.evict(component, n_pages)
+    def evict_l1(self, component: str, n_pages: int, spare_kept: bool = False) -> int:
+        """Free at least ``n_pages`` L1 pages of ``component`` if the tree can; returns pages freed.
+        ``spare_kept``: SWA interior pages only (RadixTree.evict)."""
+        return self._l1.evict(component, n_pages, spare_kept)
 
     def poll(self, block: bool = False) -> None:
         """Apply finished background copies and L3 reads (call between steps); ``block`` waits for all."""

@@ -4,8 +4,9 @@ It is given what it works with -- the tree, the L1 pools it copies from, the hos
 and the stats it counts into -- and knows nothing of the cache above it or of L3: whoever asks for a
 backup says what follows it (``then``, e.g. the write to L3 once the L2 copy is complete).
 
-SWA components only ever hold a sequence's last window (the engine frees the rest as it slides), so a
-backup moves only that window. The SWA-oblivious baseline of the benches (``swa_backup="all"``) is a
+SWA data is backed up only where the tree keeps it (``swa_keep``: the window before a sequence end, a
+branch point or a checkpoint; storage/radix.py, "Retention"): the interior sliding KV the engine leaves
+in L1 is evictable there and recomputed rather than moved, so L2 and L3 hold one window per kept point. The SWA-oblivious baseline of the benches (``swa_backup="all"``) is a
 subclass in bench/swa_oblivious.py, registered in ``HOST_TIERS`` by that module; the hooks it overrides
 (``reserved``, ``released``, ``owners``, ``check_extra``) do nothing here.
 """
@@ -47,7 +48,10 @@ class HostTier:
     def write(self, node: Node, c: str, sync: bool = False, then: Then = None) -> bool:
         """Copy ``node``'s L1 data of ``c`` into fresh L2 pages. In the background unless ``sync``
         (write-back: the L1 pages are about to be freed); the node stays locked meanwhile. ``then(x, c)``
-        runs for every piece of the node that got its L2 copy."""
+        runs for every piece of the node that got its L2 copy. False for SWA data the tree does not keep
+        (``backs_up``)."""
+        if c == SWA and not self.backs_up(node):
+            return node.l2[c] is not None
         if node.l1[c] is None or node.l2[c] is not None:
             return node.l2[c] is not None
         if (node.id, c) in self._backing_up:
@@ -122,6 +126,10 @@ class HostTier:
             self.released(c, pages)
 
     # ---- hooks of a baseline (bench/swa_oblivious.py) -------------------------------------------------
+    def backs_up(self, node: Node) -> bool:
+        """Whether ``node``'s SWA data earns host room: only kept windows (interior pages are recomputed)."""
+        return node.swa_keep
+
     def reserved(self, node: Node, c: str, dst: list[int]) -> None:
         """``dst`` were just taken for ``node``'s L2 copy of ``c``."""
 

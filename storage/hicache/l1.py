@@ -14,13 +14,13 @@ class L1Space:
         self.stats = stats
         self.on_evict = on_evict
 
-    def evict(self, c: str, n_pages: int) -> int:
+    def evict(self, c: str, n_pages: int, spare_kept: bool = False) -> int:
         """Free at least ``n_pages`` L1 pages of ``c`` if the tree can; returns pages freed. Nodes whose
         backup is still in flight are pinned: when they are what stands in the way, wait for the copies
         rather than lose cached data or preempt a request."""
         got = 0
         for attempt in range(2):
-            freed = self.tree.evict(c, L1, n_pages - got, on_evict=self.on_evict)
+            freed = self.tree.evict(c, L1, n_pages - got, on_evict=self.on_evict, spare_kept=spare_kept)
             free_pages(freed, self.pools, self.l2)
             got += len(freed[c, L1])
             if got >= n_pages or attempt or not self.copier.num_pending:

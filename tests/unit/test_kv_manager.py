@@ -40,6 +40,8 @@ def run(kv, hc, req, n):
     assert [p for _, p, _ in ext.swa_write] == [req.pages.swa[pos // PS] for pos, _, _ in ext.swa_write]
     kv.after_forward()
     req.num_computed = e
+    if e < req.seq_len and hc is not None:
+        kv.commit(req, keep_end=False)   # a prompt's chunk: its interior sliding KV goes to the tree (Engine.step)
     if e == req.seq_len:
         req.output_ids.append(7)
         if len(req.output_ids) == 1:
@@ -126,7 +128,8 @@ def test_integrity_catches_a_page_owned_twice():
     a, b = req_of("a", range(10)), req_of("b", range(10))
     run(kv, hc, a, 5)
     run(kv, hc, b, 5)
-    b.pages.full[0] = a.pages.full[0]
+    # Page 0 is the tree's now (both chunks committed it); page 1, begun by each, is each one's own.
+    b.pages.full[1] = a.pages.full[1]
     with pytest.raises(AssertionError):
         check(kv, hc)
 

@@ -232,7 +232,7 @@ def test_match_short_sequence_needs_swa_from_page_zero():
 
 def test_match_splits_mid_node_and_touches_path():
     t, k = tree_and_keys(6)
-    t.insert(k, list(range(6)), list(range(6)), now=1)
+    t.insert(k, list(range(6)), list(range(6)), now=1, keep_end=False)   # one node: no kept window cut
     m = t.match_prefix(k[:3], now=7)
     assert m.num_pages == 3 and m.node.end == 3 and t.num_nodes == 2
     assert m.l1_full == [0, 1, 2] and m.l1_swa == [None, 1, 2] and m.full_l1 == 3   # SWA: the window only
@@ -278,7 +278,7 @@ def test_full_lock_is_a_path_lock_and_blocks_eviction():
 
 def test_swa_lock_covers_only_the_window():
     t, k = tree_and_keys(6)
-    t.insert(k, list(range(6)), list(range(6)), now=1)
+    t.insert(k, list(range(6)), list(range(6)), now=1, keep_end=False)   # one node: no kept window cut
     t.match_prefix(k[:2], now=2)
     m = t.match_prefix(k[:5], now=3)  # nodes [0,2) [2,5) [5,6)
     with pytest.raises(ValueError):
