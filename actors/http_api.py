@@ -73,8 +73,8 @@ def build_app(backend: Backend, metrics: Metrics | None = None, max_inflight: in
 
     @app.post("/flush_cache", response_model=FlushResult, responses={409: {"model": FlushResult}, **errors(413)})
     async def flush_cache():
-        ok = await backend.flush_cache()
-        return JSONResponse({"flushed": ok}, status_code=200 if ok else 409)
+        res = await backend.flush_cache()
+        return JSONResponse(res, status_code=200 if res["flushed"] else 409)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prom():

@@ -60,6 +60,7 @@ class MetaInfo(BaseModel):
     finish_reason: Optional[FinishReason] = None
     e2e_latency: Optional[float] = None
     cached_tokens_by_tier: Optional[dict[str, int]] = None
+    cached_tokens_details: Optional[dict[str, Union[int, str]]] = None   # SGLang's: device, host, storage
     route: Optional[Route] = None
     input_token_logprobs: Optional[list[LogprobTriple]] = None
     output_token_logprobs: Optional[list[LogprobTriple]] = None
@@ -186,7 +187,15 @@ class Health(BaseModel):
 
 
 class FlushResult(BaseModel):
+    """What /flush_cache did (actors/flush.py): all workers or none. ``workers``: per worker, pages dropped
+    per tier (L1, L2; L3: pages its tree knew the store held) and component; ``L3_store``: what the clear
+    of the shared store removed and its scope; ``busy``: why each busy worker could not flush (409)."""
     flushed: bool
+    reason: Optional[str] = None
+    busy: Optional[dict[str, str]] = None
+    workers: Optional[dict[str, dict]] = None
+    L3_store: Optional[dict] = None
+    router: Optional[dict] = None
 
 
 class GenerateChunk(BaseModel):

@@ -11,6 +11,7 @@ import ray
 from ray import serve
 
 from actors.frontend import ServiceUnavailable, WorkerFailed
+from actors.flush import flush_cluster
 from actors.handoff import KVHandoff, Reservation
 from actors.http_api import build_app
 from actors.routing import NoWorkerError, prompt_keys
@@ -38,6 +39,8 @@ class RayBackend:
         self.router_cfg = None
         self.geometry = None
         self.handoff = KVHandoff(self)
+        hc = settings.engine.hicache if settings is not None else None
+        self.l3_backend = hc.l3.backend if hc is not None and hc.l3 is not None else None   # cache reports
 
     async def stream(self, ids: list[int], params: SamplingParams, avoid: tuple[str, ...] = (),
                      pin: dict | None = None) -> AsyncIterator[StreamItem]:
@@ -185,11 +188,20 @@ class RayBackend:
                 pass
         return self.workers
 
-    async def flush_cache(self) -> bool:
+    async def flush_cache(self, hold_s: float = 60.0) -> dict:
+        """Flush every worker or none (actors/flush.py has the steps and the answer's shape)."""
         await self._sync_workers()
-        res = await asyncio.gather(*(w.flush_cache.remote() for w in self.workers.values()),
-                                   return_exceptions=True)
-        return all(r is True for r in res)
+        return await flush_cluster(self, dict(self.workers), self.settings, hold_s)
+
+    # ---- flush_cluster's Workers protocol (actors/flush.py) ----
+    async def hold(self, handle, seconds: float) -> str | None:
+        return await handle.flush_hold.remote(seconds)
+
+    async def release(self, handle) -> None:
+        await handle.flush_release.remote()
+
+    async def flush_one(self, handle, l3: bool) -> dict:
+        return await handle.flush_cache.remote(l3)
 
     async def gauges(self) -> dict:
         out = {}

@@ -23,6 +23,8 @@ class LocalBackend:
         self.max_context = engine.max_context
         self.tokenizer = engine.tokenizer
         self.sampling_defaults = sampling_defaults(engine.model_path)
+        hc = engine.cfg.hicache
+        self.l3_backend = hc.l3.backend if hc is not None and hc.l3 is not None else None   # cache reports
 
     @classmethod
     def from_pretrained(cls, model: str = "strata-tiny", model_name: str | None = None, **kw) -> "LocalBackend":
@@ -37,8 +39,17 @@ class LocalBackend:
     async def health(self) -> dict:
         return {"ok": True, "workers": [WORKER]}
 
-    async def flush_cache(self) -> bool:
-        return await self.core.flush_cache()
+    async def flush_cache(self) -> dict:
+        """One engine: its flush is the whole flush, L3 included (no other worker shares its store)."""
+        res = await self.core.flush_cache(l3=True)
+        if not res["flushed"]:
+            return {"flushed": False, "reason": "busy: nothing was flushed (retry when idle)",
+                    "busy": {WORKER: res["reason"]}, "workers": {}}
+        store, error = res.pop("L3_store"), res.pop("L3_store_error", None)
+        l3 = self.core.engine.cfg.hicache.l3 if self.core.engine.cfg.hicache is not None else None
+        return {"flushed": error is None, "workers": {WORKER: res},
+                "L3_store": None if l3 is None else {"backend": l3.backend, "scope": l3.flush_scope(),
+                                                     "objects_removed": store, "error": error}}
 
     async def gauges(self) -> dict:
         load = self.core.load()

@@ -10,6 +10,7 @@ from fastapi import FastAPI, HTTPException
 
 from actors import logprob_format as lpf
 from actors import sampling_args as sa
+from actors.cache_report import add_tiers, sglext
 from actors.frontend import Frontend, Sample, bad
 from actors.http_models import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk,
                                 CompletionResponse, ModelCard, ModelList, errors, sse_200)
@@ -37,9 +38,9 @@ def _usage_options(opts) -> tuple[bool, bool]:
     return bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
 
 
-def _usage_event(head: dict, started: list, n_prompt: int, warm_cached: int | None) -> str:
+def _usage_event(head: dict, started: list, n_prompt: int, warm_cached: int | None, ext: dict | None = None) -> str:
     done = [s for s, _g, _f in started]
-    return event({**head, "choices": [], "usage": usage(done, n_prompt, _cached(done, warm_cached))})
+    return event({**head, "choices": [], "usage": usage(done, n_prompt, _cached(done, warm_cached)), **(ext or {})})
 
 
 class OpenAIAdapter:
@@ -49,15 +50,40 @@ class OpenAIAdapter:
     # ---- shared -------------------------------------------------------------------------------------
     async def _start(self, prompts: list[list[int]], params, n: int):
         """Samples for each prompt (n each; n > 1 warms the prompt once and pins its samples to the
-        warm-up's workers). Returns (samples, pins, prompt tokens, cached tokens of the request)."""
-        samples, pins, cached = [], [], 0
+        warm-up's workers). Returns (samples, pins, prompt tokens, cached tokens of the request, and its
+        tokens by tier when n > 1)."""
+        samples, pins, cached, warms = [], [], 0, []
         for ids in prompts:
             route, warm = await self.fe.warm(ids, n)
             cached += warm.cached_tokens if warm is not None else 0
+            warms.append(warm.cached_tokens_by_tier if warm is not None else None)
             for s in self.fe.samples(ids, params, n, first_index=len(samples)):
                 samples.append(s)
                 pins.append(route)
-        return samples, pins, sum(len(p) for p in prompts), (cached if n > 1 else None)
+        return (samples, pins, sum(len(p) for p in prompts), (cached if n > 1 else None),
+                add_tiers(warms) if n > 1 else None)
+
+    def _sglext(self, body, samples: list[Sample], warm_tiers) -> dict:
+        """``{"sglext": ...}`` when the request asked for SGLang's cached_tokens_details (else {}): the
+        request's hit by tier, counted as ``usage.prompt_tokens_details.cached_tokens`` counts it."""
+        if not getattr(body, "return_cached_tokens_details", False):
+            return {}
+        tiers = warm_tiers if warm_tiers is not None else add_tiers(s.last.cached_tokens_by_tier for s in samples
+                                                                     if s.last is not None)
+        return {"sglext": sglext(tiers, getattr(self.fe.backend, "l3_backend", None))}
+
+    def _stream_ext(self, body, started: list, warm_tiers):
+        """For a stream: ``ext(started)`` the sglext of the whole request (on the usage chunk), and
+        ``last_ext(sample)`` that sglext on the chunk that finishes the last sample (a chunk with a choice:
+        clients that index ``choices[0]`` of every chunk read it too), else {}."""
+        samples = [s for s, _g, _f in started]
+
+        def ext(_started=None) -> dict:
+            return self._sglext(body, samples, warm_tiers)
+
+        def last_ext(s: Sample) -> dict:
+            return ext() if s.finished and all(x.finished for x in samples) else {}
+        return ext, last_ext
 
     def _model(self) -> str:
         return self.fe.backend.model_name
@@ -82,7 +108,7 @@ class OpenAIAdapter:
                            logprob_start_len=0 if want_prompt_lp else -1, **sa.common_kwargs(body, fe.backend.vocab_size, fe.sampling_defaults))
         rid = body.request_id or f"cmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
-        samples, pins, n_prompt, warm_cached = await self._start(prompts, params, n)
+        samples, pins, n_prompt, warm_cached, warm_tiers = await self._start(prompts, params, n)
         tok = fe.tok
 
         def choice(s: Sample, text: str, reason) -> dict:
@@ -107,9 +133,11 @@ class OpenAIAdapter:
             return {"id": rid, "object": "text_completion", "created": created, "model": self._model(),
                     "choices": [choice(s, echo(s) + s.text(tok)[0], _REASONS.get(s.finish_reason))
                                 for s in done],
-                    "usage": usage(done, n_prompt, cached)}
+                    "usage": usage(done, n_prompt, cached), **self._sglext(body, done, warm_tiers)}
         started = await fe.start_streams(samples, pins)
         include_usage, continuous = _usage_options(body.stream_options)
+
+        ext, last_ext = self._stream_ext(body, started, warm_tiers)
 
         async def events():
             head = {"id": rid, "object": "text_completion", "created": created, "model": self._model()}
@@ -124,12 +152,12 @@ class OpenAIAdapter:
                 if c["logprobs"] is not None:   # this chunk's tokens only
                     c["logprobs"] = lpf.completion_logprobs(tok, list(item.logprobs or ()), top_n,
                                                             as_ids=body.return_tokens_as_token_ids)
-                chunk = {**head, "choices": [c]}
+                chunk = {**head, "choices": [c], **last_ext(s)}
                 if continuous:
                     chunk["usage"] = usage([s], len(s.prompt_ids), s.last.cached_tokens)
                 yield event(chunk)
             if include_usage:
-                yield _usage_event(head, started, n_prompt, warm_cached)
+                yield _usage_event(head, started, n_prompt, warm_cached, ext(started))
         return sse(events())
 
     def _prompts(self, prompt) -> list[list[int]]:
@@ -165,7 +193,7 @@ class OpenAIAdapter:
                            top_logprobs=top_n, **sa.common_kwargs(body, fe.backend.vocab_size, fe.sampling_defaults))
         rid = body.request_id or f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
-        samples, pins, n_prompt, warm_cached = await self._start([ids], params, n)
+        samples, pins, n_prompt, warm_cached, warm_tiers = await self._start([ids], params, n)
         tok = fe.tok
 
         def logprobs(s: Sample, lps) -> dict | None:
@@ -189,9 +217,12 @@ class OpenAIAdapter:
                                 "finish_reason": reason(s, bool(calls)),
                                 "stop_reason": s.matched_stop})
             return {"id": rid, "object": "chat.completion", "created": created, "model": self._model(),
-                    "choices": choices, "usage": usage(done, n_prompt, _cached(done, warm_cached))}
+                    "choices": choices, "usage": usage(done, n_prompt, _cached(done, warm_cached)),
+                    **self._sglext(body, done, warm_tiers)}
         started = await fe.start_streams(samples, pins)
         include_usage, continuous = _usage_options(body.stream_options)
+
+        ext, last_ext = self._stream_ext(body, started, warm_tiers)
 
         async def events():
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self._model()}
@@ -220,12 +251,12 @@ class OpenAIAdapter:
                      "finish_reason": reason(s, s.index in called) if s.finished else None}
                 if s.finished:
                     c["stop_reason"] = s.matched_stop
-                chunk = {**head, "choices": [c]}
+                chunk = {**head, "choices": [c], **last_ext(s)}
                 if continuous:
                     chunk["usage"] = usage([s], len(ids), s.last.cached_tokens)
                 yield event(chunk)
             if include_usage:
-                yield _usage_event(head, started, n_prompt, warm_cached)
+                yield _usage_event(head, started, n_prompt, warm_cached, ext(started))
         return sse(events())
 
     # ---- models -------------------------------------------------------------------------------------

@@ -36,7 +36,10 @@ class Router:
         self.stale_after = stale_after
         self.decisions = 0
 
-    def report(self, worker: str, role: str, events: list, load: dict, fresh: bool, now: float) -> None:
+    def report(self, worker: str, role: str, events: list, load: dict, fresh: bool, now: float,
+               flushed: bool = False) -> None:
+        """``flushed``: the worker flushed every tier, and the cluster's flush cleared L3 (or will, before
+        anyone is admitted again), after these events: forget what it held and every L3 page."""
         if worker in self.removed:
             return
         if fresh or worker in self.dropped:
@@ -46,6 +49,9 @@ class Router:
         # events only mean it forgot the node, not that the store dropped the pages, so they are skipped.
         self.index.apply(worker, [e for e in events if e.tier != "L3"])
         self.index.apply(L3_WORKER, [e for e in events if e.tier == "L3" and e.kind == "stored"])
+        if flushed:
+            self.index.drop_worker(worker)
+            self.index.drop_worker(L3_WORKER)
         self.loads[worker], self.roles[worker], self.seen[worker] = load, role, now
 
     def _sweep(self, now: float) -> None:

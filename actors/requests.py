@@ -80,6 +80,7 @@ class _Sampling(_Open):
     cache_salt: unsupported(Optional[str], None) = None
     kv_transfer_params: unsupported(Optional[dict], None) = None
     return_tokens_as_token_ids: bool = False
+    return_cached_tokens_details: bool = False   # SGLang's: the hit by tier in the response's ``sglext``
     truncate_prompt_tokens: Optional[int] = Field(None, ge=1)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None

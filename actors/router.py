@@ -21,10 +21,12 @@ class PrefixRouterActor:
         if l3_model:   # a constructor argument, so a restarted router maps evicted names again
             self.set_l3_model(l3_model)
 
-    def report(self, worker: str, role: str, events: list, load: dict, fresh: bool) -> None:
-        self.core.report(worker, role, events, load, fresh, time.monotonic())
+    def report(self, worker: str, role: str, events: list, load: dict, fresh: bool, flushed: bool = False) -> None:
+        self.core.report(worker, role, events, load, fresh, time.monotonic(), flushed)
         if self.l3_names is not None and worker not in self.core.removed:
             self.l3_names.stored(events)
+            if flushed:
+                self.l3_names.clear()
 
     def config(self) -> RouterConfig:
         return self.core.cfg

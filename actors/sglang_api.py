@@ -11,6 +11,7 @@ from fastapi import FastAPI
 
 from actors import logprob_format as lpf
 from actors import sampling_args as sa
+from actors.cache_report import cached_tokens_details
 from actors.frontend import Frontend, Sample, bad
 from actors.http_models import GenerateChunk, GenerateResponse, ModelInfo, ServerInfo, errors, sse_200
 from actors.requests import GenerateRequest, SGLSampling
@@ -97,6 +98,7 @@ class SGLangAdapter:
                 samples.append(s)
                 pins.append(route)
         many = batch or len(samples) > 1
+        l3 = getattr(fe.backend, "l3_backend", None)
         t0 = time.perf_counter()
         tok = fe.tok
 
@@ -108,6 +110,7 @@ class SGLangAdapter:
                     "e2e_latency": time.perf_counter() - t0}
             if s.last is not None:
                 meta["cached_tokens_by_tier"] = s.last.cached_tokens_by_tier
+                meta["cached_tokens_details"] = cached_tokens_details(s.last.cached_tokens_by_tier, l3)
                 if s.last.route:
                     meta["route"] = s.last.route
             if body.return_logprob:

@@ -177,9 +177,13 @@ class StorageActor:
     """Ray shell: a thread runs the evictor and the master supervisor every ``evict_interval_s`` and
     forwards what changed to the router (evicted names; "everything is gone" after a master restart)."""
 
-    def __init__(self, l3: L3Config, cfg: StorageConfig | None = None, router=None) -> None:
+    def __init__(self, l3: L3Config, cfg: StorageConfig | None = None, router: str | None = None,
+                 namespace: str | None = None) -> None:
         self.service = StorageService(l3, cfg, log_dir=os.environ.get("STRATA_HOME"))
-        self.router = router
+        # The router by name, not by handle: a handle among the constructor arguments is a reference
+        # Ray keeps in its object store for restarts (and logs an error about at every start); a name
+        # is plain config, and a restarted actor finds the router (itself perhaps restarted) again.
+        self.router = ray.get_actor(router, namespace=namespace) if router else None
         self.workers: dict = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()

@@ -38,6 +38,12 @@ class WorkerActor:
         if ep_size > 1 and role != "colocated":
             raise ValueError(f"ep_size {ep_size}: only colocated workers serve through an EP group")
         self.worker_id, self.role = worker_id, role
+        # The router and the storage actor by name (cluster/workers.py passes names): a handle among the
+        # constructor arguments, to an actor still being created, is an object Ray keeps for restarts and
+        # logs an error about; a name is plain config, and a restarted worker finds them again.
+        ns = ray.get_runtime_context().namespace
+        router = ray.get_actor(router, namespace=ns) if isinstance(router, str) else router
+        storage = ray.get_actor(storage, namespace=ns) if isinstance(storage, str) else storage
         engine_cfg, transfer_cfg = resolve_hosts(engine_cfg, transfer_cfg)
         # ep_size > 1: this process is rank 0 of the group, and the engine it serves is that rank's.
         self.ep = EPHost(engine_cfg, ep_size, ep_num_cpus, ep_num_gpus) if ep_size > 1 else None
@@ -46,6 +52,7 @@ class WorkerActor:
         self.report_interval = report_interval
         # A thread, started here, so a restarted actor reports again without anyone calling it.
         self._stop = threading.Event()
+        self._flush_ack: threading.Event | None = None   # set once a report told the router of a flush
         if router is not None:
             threading.Thread(target=self._report_loop, name="strata-report", daemon=True).start()
         # Prefill->decode transfer (storage/transfer): the backend end of this worker, and on the decode
@@ -76,15 +83,21 @@ class WorkerActor:
     def _report_loop(self) -> None:
         fresh, pending = True, []
         while not self._stop.wait(self.report_interval):
+            # Taken before the events: a flush that asked (flush_cache) is over, so its removals are among
+            # them, and every report before this one carried only what came before the flush.
+            flushed, self._flush_ack = self._flush_ack, None
             try:
                 pending += self.core.call_blocking(
                     lambda e: e.cache.tree.take_events() if e.cache is not None else [])
-                ray.get(self.router.report.remote(self.worker_id, self.role, pending, self.core.load(), fresh),
-                        timeout=10)
+                ray.get(self.router.report.remote(self.worker_id, self.role, pending, self.core.load(), fresh,
+                                                  flushed is not None), timeout=10)
                 fresh, pending = False, []
+                if flushed is not None:
+                    flushed.set()
             except Exception as e:  # the router may be restarting: resend everything as fresh
                 log.warning("report to router failed: %r", e)
                 fresh = True
+                self._flush_ack = self._flush_ack or flushed
 
     def _lease_loop(self) -> None:
         probed: dict[str, float] = {}
@@ -156,7 +169,9 @@ class WorkerActor:
         lease_id = f"{self.worker_id}/{uuid.uuid4().hex[:12]}"
         now, ttl = time.monotonic(), self.tcfg.lease_seconds
         meta = {"one_sided": self.transfer.one_sided, "sender": sender}
-        lease = await self.core.call(lambda e: e.reserve_kv(lease_id, prompt_len, now, ttl, meta))
+        # Admitted like a request (a flush's hold makes it wait): a lease is the start of one.
+        lease = await self.core.call_admitted(
+            lambda e: False if self.core.held() else e.reserve_kv(lease_id, prompt_len, now, ttl, meta))
         return Destination(lease_id, self.tcfg.backend, prompt_len, self.core.engine.cfg.page_size,
                            lease.pages["full"], lease.pages["swa"], lease.meta["swa_first_page"], ttl,
                            self.worker_id, self.transfer.peer_info())
@@ -255,8 +270,25 @@ class WorkerActor:
     async def stats(self) -> dict:
         return await self.core.stats()
 
-    async def flush_cache(self) -> bool:
-        return await self.core.flush_cache()
+    async def flush_hold(self, seconds: float) -> str | None:
+        """Phase one of a cluster flush (actors/ingress.py): None when idle, and then no request is
+        admitted until ``flush_release`` (or ``seconds``); else why this worker cannot flush now."""
+        return await self.core.hold(seconds)
+
+    async def flush_release(self) -> None:
+        self.core.release()
+
+    async def flush_cache(self, l3: bool = False, confirm_s: float = 10.0) -> dict:
+        """Flush this worker's tiers (``l3``: and this model's pages in the shared L3 store) and, once
+        flushed, wait until the router has a report saying so (it then forgets this worker's pages and
+        every L3 page), so a route asked after this returns predicts nothing from before. See
+        AsyncEngine.flush_cache for the result; ``router_confirmed`` says whether the router has it."""
+        res = await self.core.flush_cache(l3)
+        if res["flushed"] and self.router is not None:
+            ack = threading.Event()
+            self._flush_ack = ack
+            res["router_confirmed"] = await asyncio.to_thread(ack.wait, confirm_s)
+        return res
 
     async def ping(self) -> str:
         return self.worker_id

@@ -41,7 +41,8 @@ from actors.router import PrefixRouterActor  # noqa: E402
 from actors.storage import StorageActor  # noqa: E402
 from cluster import workers as wk  # noqa: E402
 from cluster.config import IF_EXISTS, ClusterConfig, load_config, with_model  # noqa: E402
-from cluster.lifecycle import APP_NAME, Signals, app_phase, drain, running_actors, tear_down  # noqa: E402
+from cluster.lifecycle import (APP_NAME, ROUTER_ACTOR, STORAGE_ACTOR, Signals, app_phase, drain,  # noqa: E402
+                               running_actors, tear_down)
 from engine.model.config import ModelConfig  # noqa: E402
 from engine.model.loader import resolve_model_path  # noqa: E402
 from storage.geometry import KVGeometry  # noqa: E402
@@ -90,7 +91,7 @@ def deploy(cfg: ClusterConfig, detached: bool = False, ready_timeout: float = 12
     else:
         start_proxy(cfg)
     handles = start_actors(cfg, detached=detached, ready_timeout=ready_timeout)
-    serve.run(ingress_app(cfg, handles), name=APP_NAME, route_prefix="/", blocking=False)
+    run_app(ingress_app(cfg, handles))
     return handles
 
 
@@ -106,7 +107,7 @@ def start_serve(cfg: ClusterConfig) -> None:
     app = serve.deployment(StartingIngress, name="ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
                            graceful_shutdown_wait_loop_s=0.1, graceful_shutdown_timeout_s=1,
                            **ingress_options(s)).bind()
-    serve.run(app, name=APP_NAME, route_prefix="/")
+    run_app(app, wait_running=True)
 
 
 def start_proxy(cfg: ClusterConfig) -> None:
@@ -114,6 +115,20 @@ def start_proxy(cfg: ClusterConfig) -> None:
     # One HTTP proxy, on the launching node: Serve's default (one per node) would have every raylet of a
     # one-machine cluster bind the same host:port, and the server's address is the launching node's.
     serve.start(http_options={"host": s.host, "port": s.port}, proxy_location="HeadOnly")
+
+
+def run_app(app, wait_running: bool = False) -> None:
+    """``serve.run(app, name=APP_NAME, route_prefix="/")`` without the ``serve.start`` inside it: Serve was
+    started once, by ``start_proxy`` with strata's HTTP options, and every further start only logs
+    "Connecting to existing Serve app ... New http_options will not be applied" (twice per launch: the
+    placeholder, then the ingress). Deploys through the running controller, as serve.run does after
+    its start."""
+    from ray.serve._private.build_app import build_app
+    from ray.serve.context import _get_global_client
+    built = build_app(app, name=APP_NAME, route_prefix="/",
+                      default_runtime_env=ray.get_runtime_context().runtime_env)
+    _get_global_client().deploy_applications([built], wait_for_ingress_deployment_creation=True,
+                                             wait_for_applications_running=wait_running)
 
 
 def ingress_options(s) -> dict:
@@ -143,10 +158,10 @@ def start_actors(cfg: ClusterConfig, detached: bool = False, ready_timeout: floa
     ns = cfg.ray.namespace
     hc = engine_cfg.hicache
     l3_model = model_id(path, mc, engine_cfg) if hc is not None and hc.l3 is not None else None
-    router = PrefixRouterActor.options(name="strata-router", namespace=ns, num_cpus=0.1, get_if_exists=True,
+    router = PrefixRouterActor.options(name=ROUTER_ACTOR, namespace=ns, num_cpus=0.1, get_if_exists=True,
                                        **wk.place_service(cfg, "router"), **life).remote(
         cfg.router, geometry, l3_model=l3_model)
-    storage = _start_storage(cfg, router, life)
+    storage = _start_storage(cfg, life)
     if storage is not None:   # workers open L3 with the storage actor's connection info
         l3 = ray.get(storage.worker_config.remote(), timeout=ready_timeout)
         engine_cfg = dataclasses.replace(engine_cfg, hicache=dataclasses.replace(engine_cfg.hicache, l3=l3))
@@ -181,14 +196,15 @@ def ingress_app(cfg: ClusterConfig, handles: dict, ingress_cls=Ingress):
         mc.max_position_embeddings, s.request_timeout, s.max_inflight, cfg)
 
 
-def _start_storage(cfg: ClusterConfig, router, life: dict):
+def _start_storage(cfg: ClusterConfig, life: dict):
     """The StorageActor owning the L3 service, when the engine has an L3 tier (else None)."""
     hc = cfg.engine.hicache
     if hc is None or hc.l3 is None or not cfg.storage.enabled:
         return None
-    storage = StorageActor.options(name="strata-storage", namespace=cfg.ray.namespace, get_if_exists=True,
-                                   num_cpus=cfg.storage.num_cpus, **wk.place_service(cfg, "storage"), **life).remote(hc.l3, cfg.storage, router)
-    return storage
+    ns = cfg.ray.namespace
+    return StorageActor.options(name=STORAGE_ACTOR, namespace=ns, get_if_exists=True,
+                                num_cpus=cfg.storage.num_cpus, **wk.place_service(cfg, "storage"), **life).remote(
+        hc.l3, cfg.storage, ROUTER_ACTOR, ns)
 
 
 def shutdown(handles: dict | None = None, serve_too: bool = True) -> None:
@@ -255,11 +271,13 @@ def main(argv: list[str] | None = None) -> int:
     own_ray = not (ray.is_initialized() or args.address or cfg.ray.address or os.environ.get("RAY_ADDRESS"))
     signals = Signals().install()
     handles, owned, keep = None, True, False
+    phases = Phases()
     try:
         init_ray(cfg, args.address)
+        phases.mark("ray")
         signals.install()       # again: ray.init put its own SIGTERM handler (exit on the spot) in place
         try:
-            handles, owned = _deploy_or_adopt(cfg, args.detach, if_exists, signals)
+            handles, owned = _deploy_or_adopt(cfg, args.detach, if_exists, signals, phases)
         except FileExistsError as e:
             print(f"strata: {e}", file=sys.stderr, flush=True)
             owned = False
@@ -282,6 +300,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+class Phases:
+    """Where a start's seconds go (bench/startup.py reads the ``strata: start-up`` line it makes)."""
+
+    def __init__(self) -> None:
+        self.t0 = self.last = time.monotonic()
+        self.spent: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        now = time.monotonic()
+        self.spent[name] = now - self.last
+        self.last = now
+
+    def report(self) -> str:
+        return f"{self.last - self.t0:.1f}s: " + ", ".join(f"{k} {v:.1f}s" for k, v in self.spent.items())
+
+
 def _drain(cfg: ClusterConfig, signals: Signals, name: str) -> None:
     print(f"strata: {name}: draining (new requests get 503; up to {cfg.server.drain_timeout:g}s for those in "
           "flight; signal again to stop now)", file=sys.stderr, flush=True)
@@ -291,7 +325,7 @@ def _drain(cfg: ClusterConfig, signals: Signals, name: str) -> None:
 
 
 def _deploy_or_adopt(cfg: ClusterConfig, detached: bool, if_exists: str,
-                     signals: Signals) -> tuple[dict | None, bool]:
+                     signals: Signals, phases: Phases | None = None) -> tuple[dict | None, bool]:
     """Deploy, minding a strata cluster already running in the namespace. Returns (handles, owned):
     owned is False for an adopted cluster, which this launch leaves running (handles None where even
     the app was kept). ``fail`` raises FileExistsError."""
@@ -314,11 +348,16 @@ def _deploy_or_adopt(cfg: ClusterConfig, detached: bool, if_exists: str,
             return None, False
         print(f"strata: adopting the running actors ({', '.join(existing)}); the app was {phase or 'absent'}",
               flush=True)
+    phases = phases or Phases()
     start_serve(cfg)
+    phases.mark("serve")
     handles = start_actors(cfg, detached=detached, get_if_exists=bool(existing))
+    phases.mark("actors")
     # From here a signal waits for the ingress (seconds) and drains it: it may already be answering.
     signals.starting = False
-    serve.run(ingress_app(cfg, handles), name=APP_NAME, route_prefix="/", blocking=False)
+    run_app(ingress_app(cfg, handles))
+    phases.mark("ingress")
+    print(f"strata: start-up {phases.report()}", flush=True)
     owned = not existing
     print(f"strata: serving {s.model_name} at {handles['url']} "
           f"({len(handles['workers'])} workers: {', '.join(handles['workers'])})", flush=True)

@@ -19,6 +19,7 @@ from ray import serve
 APP_NAME = "strata"                 # the Serve application (route "/") of every launch
 PLACEMENT_GROUP = "strata-workers"      # left by deployments from before per-node placement (cluster/placement.py)
 STORAGE_ACTOR = "strata-storage"
+ROUTER_ACTOR = "strata-router"
 
 
 class Stopped(KeyboardInterrupt):

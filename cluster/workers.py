@@ -8,6 +8,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.worker import WorkerActor
+from cluster.lifecycle import ROUTER_ACTOR, STORAGE_ACTOR
 from cluster.placement import NodeInfo, PlacementConfig, choose_node
 
 ROLES = ("colocated", "prefill", "decode")
@@ -54,7 +55,8 @@ def spawn(cfg, wid: str, role: str, engine_cfg, router, storage, workers_on: dic
     return WorkerActor.options(
         name=actor_name(wid), namespace=cfg.ray.namespace, get_if_exists=get_if_exists, num_cpus=w.num_cpus,
         num_gpus=w.num_gpus, resources=need(cfg, role), scheduling_strategy=affinity(node, pc.strategy), **life,
-    ).remote(wid, role, engine_cfg, router, transfer_cfg=cfg.transfer, storage=storage, ep_size=w.ep_size,
+    ).remote(wid, role, engine_cfg, ROUTER_ACTOR if router is not None else None,
+             transfer_cfg=cfg.transfer, storage=STORAGE_ACTOR if storage is not None else None, ep_size=w.ep_size,
              ep_num_cpus=w.num_cpus, ep_num_gpus=w.num_gpus)
 
 

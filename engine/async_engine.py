@@ -55,6 +55,10 @@ class AsyncEngine:
         # suite runs so): a page owned twice for a moment, gone again by the next flush, is caught here.
         self.debug_integrity = engine.cfg.debug_integrity
         self.integrity_failures: list[str] = []
+        # A flush's first phase holds admissions (monotonic deadline; 0: open) so that the engine stays idle
+        # until every worker of the cluster has flushed (actors/ingress.py); it lapses by itself if the
+        # flush never comes (its caller died).
+        self._held_until = 0.0
         self._thread = threading.Thread(target=self._run, name=f"strata-{name}", daemon=True)
         self._thread.start()
 
@@ -166,7 +170,9 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
 
-        def add(eng: Engine) -> None:
+        def add(eng: Engine) -> bool:
+            if self.held():
+                return False
             self._streams[rid] = (loop, q)
             try:
                 submit(eng)
@@ -176,8 +182,9 @@ class AsyncEngine:
             req = eng.requests.get(rid)
             if req is not None and req.status is Status.FINISHED:  # finished on admission
                 self._emit(rid, list(req.output_ids), True)
+            return True
 
-        await self.call(add)
+        await self.call_admitted(add)
         try:
             while True:
                 item = await q.get()
@@ -233,12 +240,52 @@ class AsyncEngine:
     async def stats(self) -> dict:
         return await self.call(lambda e: e.stats())
 
-    async def flush_cache(self) -> bool:
-        def flush(e: Engine) -> bool:
-            if e.scheduler.running or e.scheduler.waiting:
-                return False
-            e.flush_cache()
-            return True
+    # ---- flush: hold (phase one), flush, release ----------------------------------------------------
+    def held(self) -> bool:
+        return time.monotonic() < self._held_until
+
+    async def call_admitted(self, fn: Callable[[Engine], Any]) -> Any:
+        """``call(fn)`` for a new request's admission: ``fn`` returns False (and does nothing) while a
+        flush holds admissions; it is tried again until the hold ends. The check runs on the engine
+        thread, so no request slips in between a hold's idle check and the flush."""
+        while True:
+            res = await self.call(fn)
+            if res is not False:
+                return res
+            await asyncio.sleep(0.01)
+
+    @staticmethod
+    def busy(e: Engine) -> str | None:
+        """Why ``e`` cannot be flushed now (None: idle). A live lease is a request between prefill and
+        decode: it would put its KV in the tree after the flush."""
+        s = e.scheduler
+        if s.running or s.waiting:
+            return f"{len(s.running)} running, {len(s.waiting)} waiting"
+        live = e.leases.stats().get("live", 0)
+        return f"{live} KV transfer leases held" if live else None
+
+    async def hold(self, seconds: float) -> str | None:
+        """Phase one of a flush: when idle, admit nothing new for up to ``seconds`` (until ``release``)
+        and return None; else return why not (and hold nothing)."""
+        def f(e: Engine) -> str | None:
+            why = self.busy(e)
+            if why is None:
+                self._held_until = time.monotonic() + seconds
+            return why
+        return await self.call(f)
+
+    def release(self) -> None:
+        """End a hold: waiting admissions go ahead."""
+        self._held_until = 0.0
+
+    async def flush_cache(self, l3: bool = False) -> dict:
+        """Flush when idle: ``{"flushed": True, "L1": ..., "L2": ..., "L3": ..., "L3_store": ...}`` (see
+        Engine.flush_cache), or ``{"flushed": False, "reason": ...}`` with nothing flushed."""
+        def flush(e: Engine) -> dict:
+            why = self.busy(e)
+            if why is not None:
+                return {"flushed": False, "reason": why}
+            return {"flushed": True, **e.flush_cache(l3=l3)}
         return await self.call(flush)
 
     def close(self) -> None:

@@ -489,12 +489,24 @@ class Engine:
         if self.cache is not None:
             self.cache.close()
 
-    def flush_cache(self) -> None:
-        """Empty every cache tier. Raises RuntimeError while requests are running."""
+    def flush_cache(self, l3: bool = False) -> dict:
+        """Empty this engine's tiers (L1, L2, and what its tree knows of L3) and, with ``l3``, this model's
+        pages in the L3 store too (shared by the workers of a cluster: one of them clears it, once all
+        have flushed). Returns pages dropped per tier and component, and ``L3_store``: objects removed
+        from the store (-1 unknown; None when not asked or without L3). Raises RuntimeError while
+        requests are running."""
         if self.scheduler.running:
             raise RuntimeError("flush_cache: requests are still running")
-        if self.cache is not None:
-            self.cache.flush()
+        if self.cache is None:
+            return {"L1": {}, "L2": {}, "L3": {}, "L3_store": None}
+        out = self.cache.flush()
+        out["L3_store"] = None
+        if l3:
+            try:
+                out["L3_store"] = self.cache.clear_l3()
+            except Exception as e:  # noqa: BLE001 - reported: the tiers above are flushed all the same
+                out["L3_store_error"] = repr(e)[:300]
+        return out
 
     def stats(self) -> dict:
         p = self.pools

@@ -320,10 +320,26 @@ class HiCache:
         self._l3.poll(block)
 
     # ---- maintenance -----------------------------------------------------------------------------------
-    def flush(self) -> None:
-        """Drop every cached page of every tier (no request may hold a hit)."""
-        self.poll(block=True)
-        free_pages(self.tree.flush(), self.pools, self._l2)
+    def flush(self) -> dict[str, dict[str, int]]:
+        """Drop every page the tree holds in L1 and L2 and its L3 marks (no request may hold a hit); the
+        L3 store itself is shared and kept (``clear_l3``). Returns the pages dropped per tier and component
+        (L3: the pages the tree knew the store held)."""
+        self.poll(block=True)      # background L2/L3 writes land first, so none lands after the flush
+        l3 = dict.fromkeys(COMPONENTS, 0)
+        stack = list(self.tree.root.children.values())
+        while stack:
+            x = stack.pop()
+            stack.extend(x.children.values())
+            for c in COMPONENTS:
+                l3[c] += len(x.keys) if x.l3[c] else 0
+        freed = self.tree.flush()
+        free_pages(freed, self.pools, self._l2)
+        out = {t: {c: len(freed[c, t]) for c in COMPONENTS} for t in (L1, "L2")}
+        return {**out, L3: l3}
+
+    def clear_l3(self) -> int | None:
+        """Empty this model's namespace of the L3 store (None without L3); objects removed, -1 unknown."""
+        return self._l3.clear()
 
     def close(self) -> None:
         """Finish background copies and release the L3 store (idempotent)."""

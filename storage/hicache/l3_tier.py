@@ -103,6 +103,11 @@ class L3Tier:
     def wait(self, timeout: float) -> None:
         self.prefetcher.wait(timeout)
 
+    def clear(self) -> int:
+        """Remove this model's pages from the store (a flush of every tier); objects removed, -1 unknown.
+        Raises when the store could not clear (the flush reports it)."""
+        return self.store.clear_model(self.model_id)
+
     # ---- the Tier interface ------------------------------------------------------------------------------
     def poll(self, block: bool = False) -> None:
         self.prefetcher.jobs.poll(block)

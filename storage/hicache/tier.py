@@ -82,6 +82,9 @@ class NoTier:
     def wait(self, timeout: float) -> None:
         pass
 
+    def clear(self) -> int | None:
+        return None    # no store: nothing was there to clear
+
 
 class NoCopier:
     """The copier of a cache without L2: nothing is ever copied in the background."""

@@ -225,6 +225,21 @@ class L3Store(abc.ABC):
                 log.exception("%s: clear failed", self.backend)
                 self._count(errors=1)
 
+    def clear_model(self, model_id: str) -> int:
+        """Remove the pages of ``model_id``'s namespace (``l3_key``'s ``strata/<model_id>/`` prefix) and
+        nothing else a shared store holds. Returns the objects removed (-1: the store cannot say).
+        A backend that cannot tell namespaces apart (a file directory: object names are digests) empties
+        what it owns, which is the whole directory: strata gives each cluster its own."""
+        l3_key(model_id, "full", b"\0")     # validates model_id
+        if self._closed:
+            return 0
+        try:
+            return int(self._clear_prefix(f"{KEY_PREFIX}{quote(model_id, safe='')}/"))
+        except Exception:  # noqa: BLE001 - the caller reports a failed clear; the store keeps serving
+            log.exception("%s: clear of %s failed", self.backend, model_id)
+            self._count(errors=1)
+            raise
+
     def stats(self) -> dict[str, int]:
         """Counters since this store was opened (``STAT_KEYS``); bytes count page bytes, not headers."""
         with self._stats_lock:
@@ -275,6 +290,10 @@ class L3Store(abc.ABC):
 
     @abc.abstractmethod
     def _clear(self) -> None: ...
+
+    def _clear_prefix(self, prefix: str) -> int:
+        """Remove every key starting with ``prefix``; returns how many (-1 unknown)."""
+        raise NotImplementedError(f"{self.backend}: clearing one namespace is not supported")
 
     def _close(self) -> None:
         pass

@@ -176,6 +176,15 @@ class L3Config:
         """When the ``timeout`` policy lets a request go, for a fetch of ``tokens`` tokens."""
         return started + self.prefetch_timeout_base + self.prefetch_timeout_per_ki_token * tokens / 1024
 
+    def flush_scope(self) -> str:
+        """What ``POST /flush_cache`` removes from this store (storage/l3: ``clear_model``)."""
+        if self.backend == "mooncake":
+            return ("this model's namespace (keys strata/<model_id>/...) on the Mooncake master; other keys "
+                    "of a shared master are kept")
+        if self.backend == "nixl" and self.nixl.mode == "ucx":
+            return f"every page of the slab server at {self.nixl.remote_addr} (this cluster's own)"
+        return f"every page under {self.resolved_path()} (the cluster's own directory)"
+
     def resolved_path(self) -> str:
         if self.path:
             return os.path.abspath(os.path.expanduser(self.path))

@@ -185,6 +185,17 @@ class FileStore(L3Store):
             finally:
                 fcntl.flock(self._lockfd, fcntl.LOCK_UN)
 
+    def _clear_prefix(self, prefix: str) -> int:
+        # File names are key digests, so a namespace cannot be picked out: the directory is this
+        # cluster's (the storage actor owns and evicts it), and all of it goes.
+        with self._lock:
+            before = len(self._index)
+        self._rescan()
+        with self._lock:
+            n = len(self._index)
+        self._clear()
+        return max(n, before)
+
     def _close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)

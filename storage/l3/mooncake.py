@@ -221,6 +221,15 @@ class MooncakeStore(L3Store):
             except _Unavailable:
                 pass
 
+    def _clear_prefix(self, prefix: str) -> int:
+        # A Mooncake master may be shared with other clusters and other tools: only this namespace goes.
+        if not self._available():
+            raise RuntimeError(f"mooncake master {self.mc.master_addr} is unreachable")
+        n = self._call(lambda: self._client.remove_by_regex("^" + re.escape(prefix), True), self.mc.op_timeout_s, ())
+        if isinstance(n, int) and n < 0:
+            raise RuntimeError(f"mooncake remove_by_regex failed (code {n})")
+        return n if isinstance(n, int) else -1
+
     def _close(self) -> None:
         self._abandoned = [a for a in self._abandoned if a[0].is_alive()]
         if not self._available() or self._abandoned:

@@ -112,3 +112,39 @@ def read_openai_stream(events: list[str], chat: bool) -> tuple[str, int | None, 
         elif data.get("usage"):
             n = data["usage"].get("completion_tokens")
     return text, n, {"chunks": chunks}
+
+
+# ---- SGLang bench_serving --cache-report --------------------------------------------------------------
+# sglang.bench_serving 0.5.x (python/sglang/benchmark/serving.py and backends/*_client.py): --cache-report
+# adds ``return_cached_tokens_details: true`` to the OpenAI-format bodies, reads
+# ``sglext.cached_tokens_details`` from any streamed chunk (the OpenAI backends) or
+# ``meta_info.cached_tokens_details`` (the native sglang backend), counts a request's hit as
+# device + host + storage, and prints the hit rate as cached / prompt tokens over all requests.
+def with_cache_report(path: str, headers: dict, body: dict) -> tuple[str, dict, dict]:
+    """The body as --cache-report sends it (the native /generate body is unchanged)."""
+    return path, headers, (body if path == "/generate" else {**body, "return_cached_tokens_details": True})
+
+
+def sglang_bench_serving_oai_chat_payload(model: str, prompt: str, output_len: int) -> tuple[str, dict, dict]:
+    """bench_serving --backend sglang-oai-chat (backends/oai_chat_client.py OpenAIChatBackendClient)."""
+    return "/v1/chat/completions", {}, {
+        "model": model, "messages": [{"role": "user", "content": prompt}], "max_completion_tokens": output_len,
+        "stream": True, "temperature": 0.0, "ignore_eos": True,
+    }
+
+
+def read_cache_report(events: list[str]) -> int | None:
+    """A request's cached tokens as --cache-report counts them: the last ``cached_tokens_details`` seen,
+    device + host + storage (None when the server sent none)."""
+    details = None
+    for ev in events:
+        if ev == "[DONE]":
+            continue
+        data = json.loads(ev)
+        d = (data.get("meta_info") or {}).get("cached_tokens_details") or \
+            (data.get("sglext") or {}).get("cached_tokens_details")
+        if d:
+            details = d
+    if details is None:
+        return None
+    return sum(int(details.get(k, 0) or 0) for k in ("device", "host", "storage"))

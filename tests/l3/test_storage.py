@@ -179,10 +179,11 @@ def test_storage_actor_shell_with_router(tmp_path):
 
     start_local_ray(num_cpus=2, namespace=f"l3-{uuid.uuid4().hex[:6]}")
     try:
-        router = PrefixRouterActor.remote(RouterConfig(), KVGeometry(16))
+        router = PrefixRouterActor.options(name="router").remote(RouterConfig(), KVGeometry(16))
         cap = 30 * PAGE
         actor = StorageActor.remote(L3Config(backend="file", path=str(tmp_path / "l3"), capacity_bytes=cap),
-                                    StorageConfig(evict_interval_s=0.2, high_water=0.6, low_water=0.3), router)
+                                    StorageConfig(evict_interval_s=0.2, high_water=0.6, low_water=0.3), "router",
+                                    ray.get_runtime_context().namespace)
         wcfg = ray.get(actor.worker_config.remote(), timeout=120)
         model = "shell-model"
         ray.get(router.set_l3_model.remote(model))
