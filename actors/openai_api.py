@@ -10,6 +10,7 @@ from fastapi import FastAPI, HTTPException
 
 from actors import logprob_format as lpf
 from actors import sampling_args as sa
+from actors import token_text as tt
 from actors.frontend import Frontend, Sample, bad
 from actors.http_models import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk,
                                 CompletionResponse, ModelCard, ModelList, errors, sse_200)
@@ -85,13 +86,17 @@ class OpenAIAdapter:
         samples, pins, n_prompt, warm_cached = await self._start(prompts, params, n)
         tok = fe.tok
 
+        def offsets(s: Sample) -> tt.TextOffsets:
+            """Where the completion's tokens start in the choice's text: after the echoed prompt."""
+            return tt.TextOffsets(tok, len(echo(s)), params.skip_special_tokens)
+
         def choice(s: Sample, text: str, reason) -> dict:
             c = {"index": s.index, "text": text, "finish_reason": reason, "logprobs": None,
                  "stop_reason": s.matched_stop if s.finished else None}
             if body.logprobs is not None:
                 echo_p = s.prompt_logprobs if body.echo else None
                 c["logprobs"] = lpf.completion_logprobs(
-                    tok, s.logprobs, top_n, echo_p, s.prompt_ids if body.echo else (), 0,
+                    tok, s.logprobs, top_n, offsets(s), echo_p, s.prompt_ids if body.echo else (),
                     body.return_tokens_as_token_ids)
             if body.prompt_logprobs is not None:
                 c["prompt_logprobs"] = lpf.vllm_prompt_logprobs(tok, s.prompt_ids, s.prompt_logprobs,
@@ -114,6 +119,7 @@ class OpenAIAdapter:
         async def events():
             head = {"id": rid, "object": "text_completion", "created": created, "model": self._model()}
             echoed: set[int] = set()
+            runs = {s.index: offsets(s) for s, _g, _f in started}   # text_offset runs on across chunks
             async for s, item in fe.merged(started):
                 s.feed(item)
                 text = s.delta(tok)
@@ -123,7 +129,7 @@ class OpenAIAdapter:
                 c = choice(s, text, _REASONS.get(s.finish_reason))
                 if c["logprobs"] is not None:   # this chunk's tokens only
                     c["logprobs"] = lpf.completion_logprobs(tok, list(item.logprobs or ()), top_n,
-                                                            as_ids=body.return_tokens_as_token_ids)
+                                                            runs[s.index], as_ids=body.return_tokens_as_token_ids)
                 chunk = {**head, "choices": [c]}
                 if continuous:
                     chunk["usage"] = usage([s], len(s.prompt_ids), s.last.cached_tokens)
