@@ -46,7 +46,8 @@ class Backend(Protocol):
 
 
 def bad(field: str, msg: str) -> HTTPException:
-    return HTTPException(400, f"{field}: {msg}")
+    """A 400 whose message and ``param`` name the field (OpenAI's error object, actors/openai_errors.py)."""
+    return HTTPException(400, {"message": f"{field}: {msg}", "param": field})
 
 
 def stable_delta(text: str, sent: str, finished: bool) -> tuple[str, str]:

@@ -21,15 +21,19 @@ class ErrorDetail(BaseModel):
 
 
 class ErrorBody(BaseModel):
+    """OpenAI's error object (actors/openai_errors.py): ``param`` the field at fault (or null), ``code``
+    a string OpenAI names (``model_not_found``) or the HTTP status; ``details`` on SGLang's 422 only."""
     message: str
     type: str
-    param: Optional[str] = None
-    code: Optional[Union[int, str]] = None
+    param: Optional[str]
+    code: Optional[Union[int, str]]
     details: Optional[list[ErrorDetail]] = None
 
 
 class ErrorResponse(BaseModel):
-    """Every 4xx/5xx body: 400 bad value, 413 body too large, 422 invalid field, 409/503 busy or down."""
+    """Every 4xx/5xx body: 400 bad request (on the OpenAI routes every request error: a malformed body, a
+    missing field, a value out of range), 404 unknown model, 413 body too large, 422 malformed body on
+    SGLang's routes, 503 busy or down."""
     error: ErrorBody
 
 
@@ -286,6 +290,8 @@ def finish_openapi(app, vocab_size: int) -> None:
     bounds of every prompt token id (the server checks them itself and answers 400 naming the id)."""
     from fastapi.openapi.utils import get_openapi
 
+    from actors.openai_errors import drop_default_422
+
     def token_arrays(node) -> None:
         if isinstance(node, dict):
             if node.get("type") == "array" and node.get("items", {}).get("type") == "integer":
@@ -307,6 +313,7 @@ def finish_openapi(app, vocab_size: int) -> None:
                 for f in fields:
                     if name in comps:
                         token_arrays(comps[name]["properties"][f])
+            drop_default_422(doc)
             for m in STREAM_MODELS:
                 js = m.model_json_schema(ref_template=_REF)
                 comps.update(js.pop("$defs", {}))

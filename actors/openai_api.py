@@ -245,12 +245,12 @@ def add_openai_routes(app: FastAPI, fe: Frontend) -> None:
     api = OpenAIAdapter(fe)
 
     @app.post("/v1/completions", response_model=CompletionResponse,
-              responses={**sse_200(CompletionChunk), **errors(400, 404, 413, 422, 503)})
+              responses={**sse_200(CompletionChunk), **errors(400, 404, 413, 503)})
     async def completions(body: CompletionRequest):
         return reply(await api.completions(body), body)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
-              responses={**sse_200(ChatCompletionChunk), **errors(400, 404, 413, 422, 503)})
+              responses={**sse_200(ChatCompletionChunk), **errors(400, 404, 413, 503)})
     async def chat(body: ChatRequest):
         return reply(await api.chat(body), body)
 

@@ -140,3 +140,42 @@ def test_prompt_logprobs_rank_the_prompt_token_over_the_vocabulary(http):
             outside += 1
             assert own["rank"] > 20 and better == 20, d
     assert outside, "every prompt token is in the top 20: ranks beyond it are not exercised"
+
+
+@pytest.mark.parametrize("route, kw, param", [
+    ("completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat", {"n": 17}, "n"),
+    ("completions", {"prompt": "x", "max_tokens": 1e9}, "max_tokens"),
+    ("completions", {"prompt": "x", "max_tokens": 10**9}, "max_tokens"),
+    ("chat", {"messages": []}, "messages"),
+    ("chat", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+])
+def test_out_of_range_values_are_400_bad_request_naming_the_field(oai, route, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        if route == "chat":
+            oai.chat.completions.create(**{"model": MODEL, "messages": [{"role": "user", "content": "x"}], **kw})
+        else:
+            oai.completions.create(model=MODEL, **kw)
+    err = e.value
+    assert err.status_code == 400 and err.param == param and err.type == "invalid_request_error"
+    assert param in err.body["message"] and set(err.body) == {"message", "type", "param", "code"}
+
+
+def test_malformed_bodies_are_400_in_one_shape_and_declared(http):
+    for path, raw in [("/v1/chat/completions", b'{"messages": [1, 2'), ("/v1/completions", b"null"),
+                      ("/v1/completions", b"{}")]:
+        r = http.post(path, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (path, raw, r.text)
+        assert set(r.json()) == {"error"} and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert http.post("/v1/completions", json={}).json()["error"]["param"] == "prompt"
+    # SGLang's route keeps SGLang's answer to a malformed body
+    assert http.post("/generate", content=b"[1]", headers={"content-type": "application/json"}).status_code == 422
+    doc = http.get("/openapi.json").json()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = doc["paths"][path]["post"]["responses"]
+        assert "422" not in responses
+        ref = responses["400"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1]
+        body = doc["components"]["schemas"][doc["components"]["schemas"][ref]["properties"]["error"]["$ref"]
+                                            .rsplit("/", 1)[-1]]
+        assert {"message", "type", "param", "code"} <= set(body["required"])
