@@ -1,6 +1,7 @@
 """The HTTP API (FastAPI), independent of how requests are served: a ``Frontend`` (actors/frontend.py)
-shared by the OpenAI adapter (/v1/completions, /v1/chat/completions, /v1/models) and the SGLang adapter
-(/generate, /get_model_info, /get_server_info), plus /health, /metrics and /flush_cache. A ``Backend``
+shared by the OpenAI adapter (/v1/completions, /v1/chat/completions, /v1/models, and vLLM's /tokenize,
+/detokenize) and the SGLang adapter (/generate, /get_model_info, /get_server_info), plus /health, /metrics
+and /flush_cache. A ``Backend``
 does the serving (the Ray ingress plugs in the cluster)."""
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from actors import openai_errors as oe
 from actors.openai_api import add_openai_routes
 from actors.requests import UNSUPPORTED
 from actors.sglang_api import add_sglang_routes
+from actors.tokenize_api import add_tokenize_routes
 
 
 def build_app(backend: Backend, metrics: Metrics | None = None, max_inflight: int = 256,
@@ -60,6 +62,7 @@ def build_app(backend: Backend, metrics: Metrics | None = None, max_inflight: in
 
     add_sglang_routes(app, fe)
     add_openai_routes(app, fe)
+    add_tokenize_routes(app, fe)
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health():

@@ -189,6 +189,19 @@ class Health(BaseModel):
     error: Optional[str] = None
 
 
+class TokenizeResponse(BaseModel):
+    """vLLM's: the prompt's token ids, their count, the served context and, when asked, each id's
+    vocabulary entry."""
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 class FlushResult(BaseModel):
     flushed: bool
 
@@ -313,6 +326,8 @@ def finish_openapi(app, vocab_size: int) -> None:
                 for f in fields:
                     if name in comps:
                         token_arrays(comps[name]["properties"][f])
+            if "DetokenizeRequest" in comps:   # any ids in the vocabulary, none at all included
+                comps["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] = vocab_size - 1
             drop_default_422(doc)
             for m in STREAM_MODELS:
                 js = m.model_json_schema(ref_template=_REF)

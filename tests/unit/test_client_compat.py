@@ -164,7 +164,7 @@ def test_out_of_range_values_are_400_bad_request_naming_the_field(oai, route, kw
 
 def test_malformed_bodies_are_400_in_one_shape_and_declared(http):
     for path, raw in [("/v1/chat/completions", b'{"messages": [1, 2'), ("/v1/completions", b"null"),
-                      ("/v1/completions", b"{}")]:
+                      ("/v1/completions", b"{}"), ("/tokenize", b'{"prompt": 5}')]:
         r = http.post(path, content=raw, headers={"content-type": "application/json"})
         assert r.status_code == 400, (path, raw, r.text)
         assert set(r.json()) == {"error"} and set(r.json()["error"]) == {"message", "type", "param", "code"}
@@ -172,10 +172,33 @@ def test_malformed_bodies_are_400_in_one_shape_and_declared(http):
     # SGLang's route keeps SGLang's answer to a malformed body
     assert http.post("/generate", content=b"[1]", headers={"content-type": "application/json"}).status_code == 422
     doc = http.get("/openapi.json").json()
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
         responses = doc["paths"][path]["post"]["responses"]
         assert "422" not in responses
         ref = responses["400"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1]
         body = doc["components"]["schemas"][doc["components"]["schemas"][ref]["properties"]["error"]["$ref"]
                                             .rsplit("/", 1)[-1]]
         assert {"message", "type", "param", "code"} <= set(body["required"])
+
+
+def test_tokenize_and_detokenize_in_vllms_shape(oai, http):
+    prompt = "Tokenize me, please: ünïcödé"
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": prompt, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    t = r.json()
+    served = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=1).usage.prompt_tokens
+    assert t["count"] == len(t["tokens"]) == served and t["max_model_len"] == 8192
+    assert len(t["token_strs"]) == t["count"] and t["token_strs"][0] == "T"
+    assert http.post("/detokenize", json={"tokens": t["tokens"]}).json() == {"prompt": prompt}
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    chat = http.post("/tokenize", json={"messages": msgs}).json()
+    served = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1).usage.prompt_tokens
+    assert chat["count"] == served and chat["token_strs"] is None
+    bare = http.post("/tokenize", json={"messages": msgs, "add_generation_prompt": False}).json()
+    assert chat["tokens"][:bare["count"]] == bare["tokens"] and bare["count"] < chat["count"]
+    for path, body, param in [("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "x", "messages": msgs}, "prompt"),
+                              ("/tokenize", {"messages": []}, "messages"),
+                              ("/detokenize", {"tokens": [1, 10**6]}, "tokens"), ("/detokenize", {"tokens": "ab"}, "tokens")]:
+        r = http.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+    assert http.post("/tokenize", json={"prompt": "x", "model": "gpt-9"}).status_code == 404
