@@ -90,10 +90,14 @@ class OpenAIAdapter:
             """Where the completion's tokens start in the choice's text: after the echoed prompt."""
             return tt.TextOffsets(tok, len(echo(s)), params.skip_special_tokens)
 
-        def choice(s: Sample, text: str, reason) -> dict:
+        def choice(s: Sample, text: str, reason, chunk=None, run: tt.TextOffsets | None = None) -> dict:
+            """``chunk``: a streamed chunk's logprobs (this chunk's tokens only, offsets from ``run``)."""
             c = {"index": s.index, "text": text, "finish_reason": reason, "logprobs": None,
                  "stop_reason": s.matched_stop if s.finished else None}
-            if body.logprobs is not None:
+            if body.logprobs is not None and chunk is not None:
+                c["logprobs"] = lpf.completion_logprobs(tok, chunk, top_n, run,
+                                                        as_ids=body.return_tokens_as_token_ids)
+            elif body.logprobs is not None:
                 echo_p = s.prompt_logprobs if body.echo else None
                 c["logprobs"] = lpf.completion_logprobs(
                     tok, s.logprobs, top_n, offsets(s), echo_p, s.prompt_ids if body.echo else (),
@@ -126,10 +130,7 @@ class OpenAIAdapter:
                 if s.index not in echoed and body.echo:
                     text = echo(s) + text
                     echoed.add(s.index)
-                c = choice(s, text, _REASONS.get(s.finish_reason))
-                if c["logprobs"] is not None:   # this chunk's tokens only
-                    c["logprobs"] = lpf.completion_logprobs(tok, list(item.logprobs or ()), top_n,
-                                                            runs[s.index], as_ids=body.return_tokens_as_token_ids)
+                c = choice(s, text, _REASONS.get(s.finish_reason), list(item.logprobs or ()), runs[s.index])
                 chunk = {**head, "choices": [c]}
                 if continuous:
                     chunk["usage"] = usage([s], len(s.prompt_ids), s.last.cached_tokens)
