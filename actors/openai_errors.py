@@ -9,6 +9,7 @@ shape plus ``details``."""
 from __future__ import annotations
 
 import json
+import re
 
 OPENAI_PATHS = ("/v1/", "/tokenize", "/detokenize")
 
@@ -17,9 +18,19 @@ def is_openai(path: str) -> bool:
     return path.startswith(OPENAI_PATHS)
 
 
+_FIELD = re.compile(r"([A-Za-z_][\w.\[\]]*): ")
+
+
 def body(message: str, status: int, param: str | None = None, code: int | str | None = None) -> dict:
     """The error object: ``type`` as OpenAI spells it, ``code`` a string OpenAI names (model_not_found)
-    or else the HTTP status, as vLLM sends it."""
+    or else the HTTP status, as vLLM sends it. Without ``param``, a 400's message that starts with a
+    field ("temperature: must be ...", strata's way of naming it, the engine's ValueErrors included)
+    gives it; "request: " only says the whole sampling request, so the field after it counts."""
+    if param is None and status == 400:
+        m = _FIELD.match(message)
+        if m and m.group(1) == "request":
+            m = _FIELD.match(message, m.end())
+        param = m.group(1) if m else None
     return {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
                       "param": param, "code": status if code is None else code}}
 

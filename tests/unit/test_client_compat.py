@@ -148,6 +148,8 @@ def test_prompt_logprobs_rank_the_prompt_token_over_the_vocabulary(http):
     ("chat", {"n": 17}, "n"),
     ("completions", {"prompt": "x", "max_tokens": 1e9}, "max_tokens"),
     ("completions", {"prompt": "x", "max_tokens": 10**9}, "max_tokens"),
+    ("completions", {"prompt": "x", "max_tokens": 8192}, "max_tokens"),     # past the context
+    ("completions", {"prompt": "x", "extra_body": {"guided_regex": "(unclosed"}}, "grammar"),   # the engine's
     ("chat", {"messages": []}, "messages"),
     ("chat", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
 ])
