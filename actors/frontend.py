@@ -46,7 +46,8 @@ class Backend(Protocol):
 
 
 def bad(field: str, msg: str) -> HTTPException:
-    return HTTPException(400, f"{field}: {msg}")
+    """A 400 whose message and ``param`` name the field (OpenAI's error object, actors/openai_errors.py)."""
+    return HTTPException(400, {"message": f"{field}: {msg}", "param": field})
 
 
 def stable_delta(text: str, sent: str, finished: bool) -> tuple[str, str]:
@@ -149,9 +150,9 @@ class Frontend:
         return self.backend.tokenizer
 
     # ---- prompts ----------------------------------------------------------------------------------
-    def encode(self, text: str, field: str) -> list[int]:
+    def encode(self, text: str, field: str, add_special_tokens: bool = False) -> list[int]:
         try:
-            return self.tok.encode(text)
+            return self.tok.encode(text, add_special_tokens) if add_special_tokens else self.tok.encode(text)
         except (UnicodeError, TypeError, ValueError) as e:  # e.g. a lone surrogate ("\\ud800") in JSON
             raise bad(field, f"not encodable text ({type(e).__name__})") from None
 

@@ -1,6 +1,7 @@
 """The HTTP API (FastAPI), independent of how requests are served: a ``Frontend`` (actors/frontend.py)
-shared by the OpenAI adapter (/v1/completions, /v1/chat/completions, /v1/models) and the SGLang adapter
-(/generate, /get_model_info, /get_server_info), plus /health, /metrics and /flush_cache. A ``Backend``
+shared by the OpenAI adapter (/v1/completions, /v1/chat/completions, /v1/models, and vLLM's /tokenize,
+/detokenize) and the SGLang adapter (/generate, /get_model_info, /get_server_info), plus /health, /metrics
+and /flush_cache. A ``Backend``
 does the serving (the Ray ingress plugs in the cluster)."""
 from __future__ import annotations
 
@@ -14,15 +15,11 @@ from actors.http_body import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from actors.lifecycle import DRAINING
 from actors.http_models import FlushResult, Health, errors, finish_openapi
 from actors.metrics import Metrics
+from actors import openai_errors as oe
 from actors.openai_api import add_openai_routes
 from actors.requests import UNSUPPORTED
 from actors.sglang_api import add_sglang_routes
-
-
-def _field(loc) -> str:
-    parts = [str(x) for x in loc[1:]]
-    # pydantic names the union member it tried ("str", "list[int]", "function-after[...]"): not a field
-    return ".".join(p for p in parts if not (p[:1].islower() and ("[" in p or p in ("str", "int", "float", "bool"))))
+from actors.tokenize_api import add_tokenize_routes
 
 
 def build_app(backend: Backend, metrics: Metrics | None = None, max_inflight: int = 256,
@@ -42,26 +39,30 @@ def build_app(backend: Backend, metrics: Metrics | None = None, max_inflight: in
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_req: Request, exc: RequestValidationError):
-        errs = [{"field": _field(e.get("loc", ())), "msg": e.get("msg")} for e in exc.errors()]
-        # A known field strata cannot honour at the value sent is a 400 naming it; a malformed one 422.
+    async def _invalid(req: Request, exc: RequestValidationError):
+        errs = oe.problems(exc.errors())
+        if oe.is_openai(req.url.path):
+            return JSONResponse(oe.validation_error(errs), status_code=400)
+        # SGLang's routes: a known field strata cannot honour at the value sent is a 400 naming it; a
+        # malformed one 422, as SGLang answers.
         unsupported = errs and all(UNSUPPORTED in (e["msg"] or "") for e in errs)
         msg = "; ".join(f"{e['field']}: {e['msg']}" for e in errs[:5]) if unsupported else "invalid request"
-        return JSONResponse({"error": {"message": msg, "type": "invalid_request_error", "details": errs,
-                                       "param": errs[0]["field"] if errs else None}},
-                            status_code=400 if unsupported else 422)
+        status = 400 if unsupported else 422
+        out = oe.body(msg, status, errs[0]["field"] if errs else None)
+        out["error"]["details"] = errs
+        return JSONResponse(out, status_code=status)
 
     # Starlette's own HTTPException too (a body that is not UTF-8 JSON, 404, 405): one error shape,
     # OpenAI's ({"error": {"message", "type", "param", "code"}}).
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req: Request, exc: StarletteHTTPException):
         d = exc.detail if isinstance(exc.detail, dict) else {"message": str(exc.detail)}
-        body = {"message": d["message"], "type": "invalid_request_error" if exc.status_code < 500 else "server_error",
-                "param": d.get("param"), "code": d.get("code", exc.status_code)}
-        return JSONResponse({"error": body}, status_code=exc.status_code)
+        return JSONResponse(oe.body(d["message"], exc.status_code, d.get("param"), d.get("code")),
+                            status_code=exc.status_code)
 
     add_sglang_routes(app, fe)
     add_openai_routes(app, fe)
+    add_tokenize_routes(app, fe)
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health():

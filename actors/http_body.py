@@ -55,7 +55,7 @@ class BodyLimit:
 
     async def _too_large(self, send: Send, size: int) -> None:
         body = json.dumps({"error": {"message": f"request body: {size} bytes exceed the limit of {self.limit}",
-                                     "type": "invalid_request_error", "code": 413}}).encode()
+                                     "type": "invalid_request_error", "param": None, "code": 413}}).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})

@@ -21,15 +21,19 @@ class ErrorDetail(BaseModel):
 
 
 class ErrorBody(BaseModel):
+    """OpenAI's error object (actors/openai_errors.py): ``param`` the field at fault (or null), ``code``
+    a string OpenAI names (``model_not_found``) or the HTTP status; ``details`` on SGLang's 422 only."""
     message: str
     type: str
-    param: Optional[str] = None
-    code: Optional[Union[int, str]] = None
+    param: Optional[str]
+    code: Optional[Union[int, str]]
     details: Optional[list[ErrorDetail]] = None
 
 
 class ErrorResponse(BaseModel):
-    """Every 4xx/5xx body: 400 bad value, 413 body too large, 422 invalid field, 409/503 busy or down."""
+    """Every 4xx/5xx body: 400 bad request (on the OpenAI routes every request error: a malformed body, a
+    missing field, a value out of range), 404 unknown model, 413 body too large, 422 malformed body on
+    SGLang's routes, 503 busy or down."""
     error: ErrorBody
 
 
@@ -186,6 +190,19 @@ class Health(BaseModel):
     error: Optional[str] = None
 
 
+class TokenizeResponse(BaseModel):
+    """vLLM's: the prompt's token ids, their count, the served context and, when asked, each id's
+    vocabulary entry."""
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 class FlushResult(BaseModel):
     """What /flush_cache did (actors/flush.py): all workers or none. ``workers``: per worker, pages dropped
     per tier (L1, L2; L3: pages its tree knew the store held) and component; ``L3_store``: what the clear
@@ -295,6 +312,8 @@ def finish_openapi(app, vocab_size: int) -> None:
     bounds of every prompt token id (the server checks them itself and answers 400 naming the id)."""
     from fastapi.openapi.utils import get_openapi
 
+    from actors.openai_errors import drop_default_422
+
     def token_arrays(node) -> None:
         if isinstance(node, dict):
             if node.get("type") == "array" and node.get("items", {}).get("type") == "integer":
@@ -316,6 +335,9 @@ def finish_openapi(app, vocab_size: int) -> None:
                 for f in fields:
                     if name in comps:
                         token_arrays(comps[name]["properties"][f])
+            if "DetokenizeRequest" in comps:   # any ids in the vocabulary, none at all included
+                comps["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] = vocab_size - 1
+            drop_default_422(doc)
             for m in STREAM_MODELS:
                 js = m.model_json_schema(ref_template=_REF)
                 comps.update(js.pop("$defs", {}))

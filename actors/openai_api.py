@@ -10,6 +10,7 @@ from fastapi import FastAPI, HTTPException
 
 from actors import logprob_format as lpf
 from actors import sampling_args as sa
+from actors import token_text as tt
 from actors.cache_report import add_tiers, sglext
 from actors.frontend import Frontend, Sample, bad
 from actors.http_models import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk,
@@ -111,13 +112,21 @@ class OpenAIAdapter:
         samples, pins, n_prompt, warm_cached, warm_tiers = await self._start(prompts, params, n)
         tok = fe.tok
 
-        def choice(s: Sample, text: str, reason) -> dict:
+        def offsets(s: Sample) -> tt.TextOffsets:
+            """Where the completion's tokens start in the choice's text: after the echoed prompt."""
+            return tt.TextOffsets(tok, len(echo(s)), params.skip_special_tokens)
+
+        def choice(s: Sample, text: str, reason, chunk=None, run: tt.TextOffsets | None = None) -> dict:
+            """``chunk``: a streamed chunk's logprobs (this chunk's tokens only, offsets from ``run``)."""
             c = {"index": s.index, "text": text, "finish_reason": reason, "logprobs": None,
                  "stop_reason": s.matched_stop if s.finished else None}
-            if body.logprobs is not None:
+            if body.logprobs is not None and chunk is not None:
+                c["logprobs"] = lpf.completion_logprobs(tok, chunk, top_n, run,
+                                                        as_ids=body.return_tokens_as_token_ids)
+            elif body.logprobs is not None:
                 echo_p = s.prompt_logprobs if body.echo else None
                 c["logprobs"] = lpf.completion_logprobs(
-                    tok, s.logprobs, top_n, echo_p, s.prompt_ids if body.echo else (), 0,
+                    tok, s.logprobs, top_n, offsets(s), echo_p, s.prompt_ids if body.echo else (),
                     body.return_tokens_as_token_ids)
             if body.prompt_logprobs is not None:
                 c["prompt_logprobs"] = lpf.vllm_prompt_logprobs(tok, s.prompt_ids, s.prompt_logprobs,
@@ -142,16 +151,14 @@ class OpenAIAdapter:
         async def events():
             head = {"id": rid, "object": "text_completion", "created": created, "model": self._model()}
             echoed: set[int] = set()
+            runs = {s.index: offsets(s) for s, _g, _f in started}   # text_offset runs on across chunks
             async for s, item in fe.merged(started):
                 s.feed(item)
                 text = s.delta(tok)
                 if s.index not in echoed and body.echo:
                     text = echo(s) + text
                     echoed.add(s.index)
-                c = choice(s, text, _REASONS.get(s.finish_reason))
-                if c["logprobs"] is not None:   # this chunk's tokens only
-                    c["logprobs"] = lpf.completion_logprobs(tok, list(item.logprobs or ()), top_n,
-                                                            as_ids=body.return_tokens_as_token_ids)
+                c = choice(s, text, _REASONS.get(s.finish_reason), list(item.logprobs or ()), runs[s.index])
                 chunk = {**head, "choices": [c], **last_ext(s)}
                 if continuous:
                     chunk["usage"] = usage([s], len(s.prompt_ids), s.last.cached_tokens)
@@ -270,12 +277,12 @@ def add_openai_routes(app: FastAPI, fe: Frontend) -> None:
     api = OpenAIAdapter(fe)
 
     @app.post("/v1/completions", response_model=CompletionResponse,
-              responses={**sse_200(CompletionChunk), **errors(400, 404, 413, 422, 503)})
+              responses={**sse_200(CompletionChunk), **errors(400, 404, 413, 503)})
     async def completions(body: CompletionRequest):
         return reply(await api.completions(body), body)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
-              responses={**sse_200(ChatCompletionChunk), **errors(400, 404, 413, 422, 503)})
+              responses={**sse_200(ChatCompletionChunk), **errors(400, 404, 413, 503)})
     async def chat(body: ChatRequest):
         return reply(await api.chat(body), body)
 

@@ -200,6 +200,29 @@ class ChatRequest(_Sampling):
         return v
 
 
+class TokenizeRequest(_Open):
+    """vLLM's /tokenize: a ``prompt`` (as /v1/completions takes it) or ``messages`` (rendered as
+    /v1/chat/completions renders them, with its template fields), exactly one of them.
+    ``add_special_tokens`` defaults as in vLLM: true for a prompt, false for messages (the template
+    writes them)."""
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
+    add_special_tokens: Optional[bool] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[Tool]] = None
+    return_token_strs: Optional[bool] = False
+
+
+class DetokenizeRequest(_Open):
+    """vLLM's /detokenize: token ids back to text."""
+    model: Optional[str] = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
 class SGLSampling(_Strict):
     """SGLang's ``sampling_params`` (python/sglang/srt/sampling/sampling_params.py): unknown keys are an
     error there too."""

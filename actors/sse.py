@@ -23,7 +23,8 @@ def sse(events: AsyncIterator[str]) -> StreamingResponse:
             async for e in events:
                 yield e
         except Exception as e:  # noqa: BLE001 - headers are sent: report it in the stream
-            yield event({"error": {"message": f"request failed: {e}", "type": "server_error"}})
+            yield event({"error": {"message": f"request failed: {e}", "type": "server_error", "param": None,
+                                   "code": 500}})
         finally:
             await events.aclose()
         yield "data: [DONE]\n\n"

@@ -397,7 +397,7 @@ class Engine:
             return
         toks = [req.prompt_ids[pos] for req, pos in owners]
         for (req, _pos), lp in zip(owners, token_logprobs(rows, toks, req_top(owners))):
-            req.prompt_logprobs.append(TokenLogprob(lp.token_id, lp.logprob, lp.top[:req.params.top_logprobs]))
+            req.prompt_logprobs.append(lp._replace(top=lp.top[:req.params.top_logprobs]))
             req.new_prompt_logprobs += 1
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:

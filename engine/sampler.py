@@ -142,11 +142,14 @@ def logprobs_of(x: torch.Tensor, toks: list[int], states: list[RowState]) -> lis
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[TokenLogprob]:
     """logits [N, V] (raw: prompt positions) -> the logprob of tokens[i] under row i, with top-N."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    picked = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])
+    chosen = picked[:, 0].tolist()
+    ranks = ((lp > picked).sum(dim=-1) + 1).tolist()
     if not top_n:
-        return [TokenLogprob(t, c) for t, c in zip(tokens, chosen)]
+        return [TokenLogprob(t, c, (), r) for t, c, r in zip(tokens, chosen, ranks)]
     v, i = torch.topk(lp, min(top_n, lp.shape[1]), dim=-1)
-    return [TokenLogprob(t, c, tuple(zip(ii, vv))) for t, c, ii, vv in zip(tokens, chosen, i.tolist(), v.tolist())]
+    return [TokenLogprob(t, c, tuple(zip(ii, vv)), r)
+            for t, c, ii, vv, r in zip(tokens, chosen, i.tolist(), v.tolist(), ranks)]
 
 
 def ref_sample_row(logits: torch.Tensor, s: RowState) -> int:

@@ -13,10 +13,13 @@ MAX_TOP_LOGPROBS = 20
 
 
 class TokenLogprob(NamedTuple):
-    """A chosen token's logprob and, when asked, the top-N alternatives (id, logprob), best first."""
+    """A chosen token's logprob and, when asked, the top-N alternatives (id, logprob), best first.
+    ``rank``: 1 + how many tokens of the vocabulary are more likely (vLLM's rank), where computed (prompt
+    tokens: a prompt token is often outside the top-N, so its rank cannot be read off ``top``)."""
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 def _int(name: str, v, lo: int | None = None, hi: int | None = None) -> None:

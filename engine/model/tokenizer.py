@@ -97,8 +97,10 @@ class TextTokenizer:
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """``add_special_tokens``: what the checkpoint's post-processor adds (a BOS, say); the serving
+        routes never ask for it, vLLM's /tokenize may."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -106,6 +108,14 @@ class TextTokenizer:
     def to_json(self) -> str:
         """The tokenizer.json document (what llguidance builds its token trie from)."""
         return self._tok.to_str()
+
+    def piece(self, tid: int) -> str | None:
+        """The token's entry in the vocabulary as the checkpoint spells it ("Ġthe", "▁the", "<0x0A>")."""
+        return self._tok.id_to_token(tid)
+
+    def is_special(self, tid: int) -> bool:
+        """A special token: one that ``decode(..., skip_special_tokens=True)`` leaves out."""
+        return tid in self._special_ids()
 
     def token_bytes(self, tid: int) -> bytes:
         """The bytes a token stands for (a byte-level token that is part of a character included)."""

@@ -12,7 +12,9 @@ GOOD = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temper
 CTX = 8192  # strata-tiny's context
 
 CASES = [
-    # (name, path, raw body or JSON-able, content type, expected status, substring of the error)
+    # (name, path, raw body or JSON-able, content type, expected status, substring of the error). The
+    # OpenAI routes answer every bad request 400 (as OpenAI and vLLM); SGLang's /generate a malformed
+    # one 422 (as SGLang).
     ("invalid utf-8 body", "/generate", b'{"text": "\xff\xfe\xfd"}', "application/json", 400, ""),
     ("invalid utf-8 not json", "/v1/completions", b"\xc3\x28\xa0\xa1", "application/json", 400, ""),
     ("lone surrogate text", "/generate", b'{"text": "a\\ud800b"}', "application/json", 400, "text"),
@@ -20,8 +22,8 @@ CASES = [
      "application/json", 400, "messages"),
     ("negative max_new_tokens", "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": -1}},
      None, 422, "max_new_tokens"),
-    ("negative max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": -5}, None, 422, "max_tokens"),
-    ("huge max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": 10**12}, None, 422, "max_tokens"),
+    ("negative max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": -5}, None, 400, "max_tokens"),
+    ("huge max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": 10**12}, None, 400, "max_tokens"),
     ("max_tokens past the context", "/v1/completions", {"prompt": [1, 2], "max_tokens": CTX}, None, 400,
      "max_tokens"),
     ("max_new_tokens past the context", "/generate",
@@ -48,11 +50,11 @@ CASES = [
     ("wrong type: string for int", "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": "5"}},
      None, 422, "max_new_tokens"),
     ("wrong type: bool token id", "/generate", {"input_ids": [True, 2]}, None, 422, "input_ids"),
-    ("wrong type: prompt object", "/v1/completions", {"prompt": {"a": 1}}, None, 422, "prompt"),
-    ("wrong type: messages string", "/v1/chat/completions", {"messages": "hello"}, None, 422, "messages"),
-    ("wrong type: echo 0", "/v1/completions", {"prompt": "x", "echo": 0}, None, 422, "echo"),
-    ("empty messages", "/v1/chat/completions", {"messages": []}, None, 422, "messages"),
-    ("all messages empty", "/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]}, None, 422,
+    ("wrong type: prompt object", "/v1/completions", {"prompt": {"a": 1}}, None, 400, "prompt"),
+    ("wrong type: messages string", "/v1/chat/completions", {"messages": "hello"}, None, 400, "messages"),
+    ("wrong type: echo 0", "/v1/completions", {"prompt": "x", "echo": 0}, None, 400, "echo"),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, None, 400, "messages"),
+    ("all messages empty", "/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]}, None, 400,
      "messages"),
     ("empty prompt", "/v1/completions", {"prompt": ""}, None, 400, "prompt"),
     ("empty input_ids", "/generate", {"input_ids": []}, None, 400, "prompt"),
@@ -65,7 +67,7 @@ CASES = [
     ("NaN temperature", "/generate", b'{"input_ids": [1], "sampling_params": {"temperature": NaN}}',
      "application/json", 422, ""),
     ("JSON array body", "/generate", [1, 2, 3], None, 422, ""),
-    ("JSON null body", "/v1/chat/completions", None, None, 422, ""),
+    ("JSON null body", "/v1/chat/completions", None, None, 400, ""),
     ("truncated JSON", "/generate", b'{"input_ids": [1, 2', "application/json", 422, ""),
     ("deeply nested JSON", "/generate", b'{"input_ids": ' + b"[" * 5000 + b"]" * 5000 + b"}", "application/json",
      None, ""),

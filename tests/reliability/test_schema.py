@@ -60,7 +60,7 @@ def test_the_served_schema_is_the_one_fuzzed(rcluster):
     assert served == DOC
     assert set(DOC["paths"]) == {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/models",
                                  "/v1/models/{model_id}", "/get_model_info", "/model_info", "/get_server_info",
-                                 "/server_info", "/health", "/flush_cache", "/metrics"}
+                                 "/server_info", "/health", "/flush_cache", "/metrics", "/tokenize", "/detokenize"}
 
 
 @schema.parametrize()
