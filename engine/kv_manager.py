@@ -42,6 +42,7 @@ class PageTable:
     shared_swa: set[int] = field(default_factory=set)        # logical SWA pages borrowed from it
     swa_valid_from: int = 0                # SWA KV of earlier positions was never stored
     interior: set[int] = field(default_factory=set)   # logical SWA pages below the window, until committed
+    whole_below: set[int] = field(default_factory=set)  # pages below swa_valid_from written whole anyway
 
     def owned_full(self) -> list[int]:
         return self.full[self.num_shared_full:]
@@ -159,26 +160,22 @@ class KVManager:
             if not self.ensure(SWA, need):
                 return None
             stay: list[int] = []
+            written: list[int] = []   # interior pages this chunk writes
             if interior or (self.page_aligned and self.retain_interior):
                 missing = [a for a in interior if a >= len(t.swa) or t.swa[a] is None]
                 # Whole pages of its own the request may keep as interior instead of reusing them.
-                cands = [a for a in owned_below if a * ps >= t.swa_valid_from] if self.retain_interior else []
-                order = sorted(missing, reverse=True) + sorted(cands, reverse=True)   # nearest the window first
+                cands = [a for a in owned_below if a * ps >= t.swa_valid_from or a in t.whole_below] \
+                    if self.retain_interior else []
+                order = self._interior_order(req, missing, cands)
                 room = self.swa.num_free - len(window) + len(owned_below)
                 if len(order) > room and self.cache is not None:
                     self.cache.evict_l1(SWA, len(order) - room, spare_kept=True)
                     room = self.swa.num_free - len(window) + len(owned_below)
                 take = set(order[:max(0, room)])
-                if any(a not in take for a in missing):   # short: the top of this chunk's interior only
-                    cut = min((a for a in missing if a in take), default=first_write // ps)
-                    interior = [a for a in interior if a >= cut]
-                    below = [a for a, p in enumerate(t.swa) if p is not None and (a + 1) * ps <= keep_from
-                             and a < cut]
                 missing = [a for a in missing if a in take]
                 stay = [a for a in cands if a in take]
                 new_logical = missing + window
-                if interior:
-                    first_write = max(s, interior[0] * ps)
+                written = sorted(set(missing) | {a for a in interior if a < len(t.swa) and t.swa[a] is not None})
             else:
                 new_logical = window
             leaving = [a for a in below if a not in stay]
@@ -198,12 +195,37 @@ class KVManager:
             if a >= len(t.swa):
                 t.swa += [None] * (a + 1 - len(t.swa))
             t.swa[a] = p
-        if first_write > s:  # positions [s, first_write) never reach the SWA pool
-            t.swa_valid_from = max(t.swa_valid_from, first_write)
+        # The written interior run that reaches the window, and pages written whole below a gap in it
+        # (a checkpoint's window chosen first under pressure).
+        lo = first_write // ps
+        while lo - 1 in written:
+            lo -= 1
+        start = max(s, lo * ps) if written and lo < first_write // ps else first_write
+        t.whole_below.update(a for a in written if a < lo)
+        if start > s:  # positions [s, start) reach the SWA pool only in whole_below pages
+            t.swa_valid_from = max(t.swa_valid_from, start)
         t.interior = {a for a, p in enumerate(t.swa) if p is not None and a not in t.shared_swa
                       and (a + 1) * ps <= keep_from}
-        swa_write = [(pos, t.swa[pos // ps], pos % ps) for pos in range(first_write, e)]
+        swa_write = [(pos, t.swa[a], pos % ps) for a in written if a < lo
+                     for pos in range(max(s, a * ps), (a + 1) * ps)]
+        swa_write += [(pos, t.swa[pos // ps], pos % ps) for pos in range(start, e)]
         return Extent(t.full[:self.geom.pages(e)], swa_lo, swa_read, swa_write)
+
+    def _interior_order(self, req: "Request", missing: list[int], cands: list[int]) -> list[int]:
+        """Which interior pages to keep first when SWA room is short: the windows before the request's
+        checkpoints and message boundaries (kept once committed; only whole windows count), then the
+        pages nearest the window (a branch point just before the prompt's end is the likeliest), then
+        its own older pages."""
+        w, t = self.geom.window_pages, req.pages
+        pool = set(missing)
+        have = lambda a: a in pool or (a < len(t.swa) and t.swa[a] is not None)   # noqa: E731
+        first: list[int] = []
+        for c in sorted(set(self.checkpoints(req, 0, max(missing, default=0) + 1)), reverse=True):
+            win = range(max(0, c - w), c)
+            if any(a in pool for a in win) and all(have(a) for a in win):
+                first += [a for a in reversed(win) if a in pool and a not in first]
+        rest = [a for a in sorted(missing, reverse=True) if a not in first]
+        return first + rest + sorted(cands, reverse=True)
 
     def _interior(self, t: PageTable, s: int, first_write: int) -> list[int]:
         """Logical pages below the window that positions [s, first_write) would complete: those whose
@@ -288,12 +310,13 @@ class KVManager:
         # chunk keeps the pages its next chunk reads as its own (reused when they leave the window, if
         # SWA room is short), and hands the tree the ones below.
         upto = n if keep_end or finished else min(n, self.keep_from(req.num_computed) // ps)
-        swa = [p if a * ps >= t.swa_valid_from and a < upto and a not in t.shared_swa else None
-               for a, p in enumerate((t.swa + [None] * n)[:n])]
+        swa = [p if (a * ps >= t.swa_valid_from or a in t.whole_below) and a < upto and a not in t.shared_swa
+               else None for a, p in enumerate((t.swa + [None] * n)[:n])]
         keys = req.hit.keys if req.hit is not None else None
         # Checkpoints of the previous chunk's last window are marked again: its SWA arrives only now.
         marks = self.checkpoints(req, max(0, t.num_shared_full - self.geom.window_pages - 1), n)
         t.interior.clear()   # the tree's now, or freed below as duplicates
+        t.whole_below.difference_update(range(upto))
         if finished:
             dup_full, dup_swa = self.cache.insert(req.tokens(0, n * ps), t.full[:n], swa, self.clock(), keys,
                                                   checkpoints=marks)
@@ -301,6 +324,7 @@ class KVManager:
             dup_swa = dup_swa + [p for a, p in enumerate(t.swa)
                         if p is not None and a not in t.shared_swa and (a >= n or swa[a] is None)]
             t.full, t.swa, t.num_shared_full, t.shared_swa, t.swa_valid_from = [], [], 0, set(), 0
+            t.whole_below.clear()
         else:
             hit, dup_full, dup_swa = self.cache.insert_and_hold(req.tokens(0, n * ps), t.full[:n], swa,
                                                                 self.clock(), keys, keep_end=keep_end,
@@ -342,6 +366,7 @@ class KVManager:
             self.swa.free(t.owned_swa())
         t.full, t.swa, t.num_shared_full, t.shared_swa = [], [], 0, set()
         t.interior.clear()
+        t.whole_below.clear()
         self.holders.pop(req.rid, None)
         if req.hit is not None and self.cache is not None:
             self.cache.release(req.hit)

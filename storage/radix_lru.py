@@ -21,6 +21,9 @@ window before a point where traffic branches or resumes: a sequence end, a branc
 storage/radix.py) goes after every member that is not: interior sliding KV, which no match can start
 from unless the pages before a later point are all present, is what SWA-pool pressure takes first. No
 cap: kept windows are a bounded share of the SWA data by construction (one window per kept point).
+Interior members of one recency go shallowest first: the pages just before a sequence's kept end are
+where the next prompt sharing most of it branches off (a shared system prompt, an edited last message),
+and a match needs the window before its branch point whole.
 """
 from __future__ import annotations
 
@@ -37,8 +40,9 @@ SLRU_PROTECTED = 0.8
 
 
 def lru_key(node: Node, stamp: str = "last_access", protect: bool = False, keep_first: bool = False) -> _Key:
-    first = node.swa_keep if keep_first else protect and node.hit_count > node.demoted_hits
-    return (first, getattr(node, stamp), -node.end, node.id)
+    if keep_first:   # interior pages shallowest first (see the module doc)
+        return (node.swa_keep, getattr(node, stamp), -node.end if node.swa_keep else node.end, node.id)
+    return (protect and node.hit_count > node.demoted_hits, getattr(node, stamp), -node.end, node.id)
 
 
 class LRUIndex:
@@ -86,7 +90,8 @@ class LRUIndex:
     def add(self, node: Node) -> None:
         """Insert, or re-key after the access time (or reuse) changed (no-op when already current)."""
         if self.keep_first:
-            key = (node.swa_keep, getattr(node, self.stamp), -node.end, node.id)
+            keep = node.swa_keep
+            key = (keep, getattr(node, self.stamp), -node.end if keep else node.end, node.id)
             prot = False   # no protected segment to cap: the first key part only orders
         else:
             prot = self.protect > 0 and node.hit_count > node.demoted_hits

@@ -1,0 +1,164 @@
+"""Shared prefixes on a sliding-window model ([branch]): the sliding KV of a prompt's interior is cached,
+not discarded, so a prompt branching off inside a cached one (a shared system prompt, a few-shot prefix,
+a fork, an edit, a truncation) finds the window before its branch point; SWA-pool pressure takes
+interior pages before the windows the tree keeps (sequence ends, branch points, message boundaries,
+checkpoints), and a request never waits for SWA room eviction could give."""
+import pytest
+import torch
+
+from engine import Engine, SamplingParams
+from storage.pools import FULL, SWA
+from storage.radix import L1, RadixTree
+from tests import numerics
+
+PS, W = 4, 2   # tree tests: pages of 4 tokens, a window of 2 pages
+
+
+def _keys(t: RadixTree, n: int, base: int = 0):
+    return t.page_keys(list(range(base, base + n * PS)))
+
+
+def _kept(t: RadixTree) -> set[int]:
+    """Pages of the tree's SWA data flagged as kept windows."""
+    out, stack = set(), [t.root]
+    while stack:
+        x = stack.pop()
+        stack.extend(x.children.values())
+        if x is not t.root and x.swa_keep:
+            out.update(range(x.depth, x.end))
+    return out
+
+
+def test_tree_keeps_the_windows_before_ends_checkpoints_and_branch_points():
+    t = RadixTree(PS, W)
+    k = _keys(t, 12)
+    t.insert(k, list(range(12)), list(range(12)), now=1, checkpoints=[6])
+    t.check_integrity()
+    assert _kept(t) == {4, 5, 10, 11}                      # before the checkpoint at 6 and the end at 12
+    b = k[:8] + _keys(t, 2, base=1000)                     # branches off at page 8, inside the first sequence
+    t.insert(b, list(range(8)) + [20, 21], list(range(8)) + [20, 21], now=2)
+    t.check_integrity()
+    assert _kept(t) == {4, 5, 6, 7, 8, 9, 10, 11}          # + the branch point's window and the new end's
+    # Pressure: interior pages go first (A's 0-3 and 8-9), then the kept windows, least recent first.
+    freed = t.evict(SWA, L1, 6)
+    assert sorted(freed[SWA, L1]) == [0, 1, 2, 3, 8, 9]
+    assert len(t.evict(SWA, L1, 4, spare_kept=True)[SWA, L1]) == 0   # room for interior pages only from interior
+    t.check_integrity()
+    assert t.match_prefix(k[:8], now=3).num_pages == 8     # the branch point still has its window
+    assert t.match_prefix(k, now=3).num_pages == 12        # so has A's end
+    assert t.match_prefix(k[:6] + _keys(t, 1, base=2000), now=3).num_pages == 6   # so has the checkpoint
+    freed = t.evict(SWA, L1, 100)
+    assert len(freed[SWA, L1]) == 8 and not _kept(t)       # tombstones keep nothing
+    t.check_integrity()
+
+
+def test_a_chunked_insert_keeps_no_window_at_its_chunk_ends():
+    t = RadixTree(PS, W)
+    k = _keys(t, 8)
+    t.insert(k[:4], list(range(4)), list(range(4)), now=1, keep_end=False)
+    assert not _kept(t)
+    t.insert(k, list(range(8)), list(range(8)), now=2)
+    assert _kept(t) == {6, 7}
+    t.check_integrity()
+
+
+# ---- the engine (strata-tiny: window 64, page 16) ------------------------------------------------------
+
+SP = SamplingParams(max_new_tokens=8, ignore_eos=True, return_logits=True)
+
+
+def _rand(n: int, g: torch.Generator) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=g).tolist()
+
+
+def _run(eng: Engine, prompt: list[int], boundaries=()):
+    rid = eng.add_request(prompt, SP, boundaries=boundaries)
+    while eng.has_unfinished():
+        eng.step()
+        eng.check_integrity()
+    return eng.pop_finished(rid)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    e = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=512)
+    yield e
+    e.close()
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("swa_full_ratio", [0.5, 26 / 2048])   # the default pool; 26 SWA pages (< P's 37)
+def test_the_abcd_probe_hits_from_every_branch_point(reference, swa_full_ratio):
+    """The issue's probe: P of 600 tokens; A = P + 20 (cold), B = P + 20 others, C = P + 200 others,
+    D = P[:300] + 20. B and C hit |P| less its partial page; D hits its 300 tokens' whole pages with
+    the default pool, and at least the 256-token checkpoint with a pool too small for P's interior."""
+    eng = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=2048, enable_prefix_cache=True,
+                                 swa_full_ratio=swa_full_ratio, poison_kv=True)
+    g = torch.Generator().manual_seed(33)
+    p = _rand(600, g)
+    probes = {"A": p + _rand(20, g), "B": p + _rand(20, g), "C": p + _rand(200, g), "D": p[:300] + _rand(20, g)}
+    got = {name: _run(eng, prompt) for name, prompt in probes.items()}
+    hits = {name: o.cached_tokens for name, o in got.items()}
+    assert hits["A"] == 0
+    assert hits["B"] >= 600 - 16 and hits["C"] >= 600 - 16, hits
+    assert hits["D"] >= (288 if swa_full_ratio == 0.5 else 256), hits
+    if swa_full_ratio < 0.5:
+        assert eng.pools.swa.num_pages < 600 // 16
+    for name, prompt in probes.items():
+        want = reference.generate([prompt], SP)[0]
+        numerics.assert_same_output(got[name], want, eng.model_config, f"probe {name}")
+    eng.close()
+
+
+def test_message_boundaries_keep_their_window_under_pressure():
+    """A boundary given at admission (the chat template's message ends) keeps the window before it: an
+    edit of the message after it hits up to the boundary, even with checkpoints far apart and a pool
+    that holds little more than one prompt's windows."""
+    eng = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=2048, enable_prefix_cache=True,
+                                 swa_full_ratio=20 / 2048, swa_checkpoint_interval=4096)
+    g = torch.Generator().manual_seed(5)
+    system, first = _rand(200, g), _rand(300, g)
+    _run(eng, system + first, boundaries=[200])
+    _run(eng, _rand(150, g))   # other traffic: its pages evict the first prompt's interior
+    assert eng.cache.stats["evicted_pages"]["L1"] > 0
+    edit = _run(eng, system + _rand(50, g))
+    assert edit.cached_tokens == 192, edit.cached_tokens   # the whole pages before the boundary at 200
+    eng.check_integrity()
+    with pytest.raises(ValueError, match="boundaries"):
+        eng.add_request(system, SP, boundaries=[500])
+    eng.close()
+
+
+def test_swa_pressure_evicts_interior_first_and_no_request_waits_for_room():
+    """A pool smaller than the working set: every request still runs at once (eviction gives it room),
+    interior pages go before kept windows, and the shared system prompt keeps hitting."""
+    eng = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=1024, enable_prefix_cache=True,
+                                 swa_full_ratio=24 / 1024)
+    g = torch.Generator().manual_seed(9)
+    system = _rand(384, g)
+    hits = []
+    for i in range(8):
+        rid = eng.add_request(system + _rand(64, g), SP)
+        eng.step()
+        assert eng.requests[rid].num_computed > 0, "waited for SWA room"
+        while eng.has_unfinished():
+            eng.step()
+            eng.check_integrity()
+        hits.append(eng.pop_finished(rid).cached_tokens)
+        tree = eng.cache.tree
+        interior = sum(len(n.l1_swa) for n in _nodes(tree) if n.l1_swa is not None and not n.swa_keep)
+        kept = sum(len(n.l1_swa) for n in _nodes(tree) if n.l1_swa is not None and n.swa_keep)
+        # Kept windows are never evicted while interior pages remain (pool full: free + interior >= 0)
+        assert kept + interior <= eng.pools.swa.num_pages
+    assert hits[0] == 0 and all(h == 384 for h in hits[1:]), hits
+    assert eng.scheduler.num_preemptions == 0
+    eng.close()
+
+
+def _nodes(tree):
+    stack = [tree.root]
+    while stack:
+        x = stack.pop()
+        stack.extend(x.children.values())
+        if x is not tree.root:
+            yield x
