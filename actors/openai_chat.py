@@ -124,6 +124,10 @@ def _tool_grammar(tools: list[dict], choice, fmt: str, parallel: bool) -> tuple[
     try:
         compile_grammar(*grammar)
     except ValueError as e:
+        if choice == "auto":
+            # a valid schema llguidance cannot compile (e.g. "not"): auto had no grammar before and vLLM's
+            # has none, so it still serves, unconstrained, rather than refusing the request
+            return None
         raise bad("tools", f"the calls cannot be constrained to these schemas ({e})") from None
     return grammar
 

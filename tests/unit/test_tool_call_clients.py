@@ -147,6 +147,9 @@ def test_bad_tool_schemas_are_400s_naming_the_tool(oai):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=MODEL, messages=MSGS, tools=[broken], tool_choice="required")
     assert "tools" in e.value.message
+    # auto had no grammar before: a schema the grammar cannot use leaves it unconstrained, not refused
+    r = oai.chat.completions.create(model=MODEL, messages=MSGS, tools=[broken], max_tokens=4)
+    assert r.choices[0].finish_reason == "length"
 
 
 # ---- LangChain ---------------------------------------------------------------------------------------
