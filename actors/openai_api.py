@@ -15,7 +15,7 @@ from actors.cache_report import add_tiers, sglext
 from actors.frontend import Frontend, Sample, bad
 from actors.http_models import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk,
                                 CompletionResponse, ModelCard, ModelList, errors, sse_200)
-from actors.openai_chat import ChatPlan, plan_chat
+from actors.openai_chat import ChatPlan, plan_chat, tool_call_chunks
 from actors.requests import ChatRequest, CompletionRequest
 from actors.sse import event, reply, sse
 
@@ -247,21 +247,24 @@ class OpenAIAdapter:
                     content, calls = content + more_content, calls + more_calls
                 if calls:
                     called.add(s.index)
-                delta: dict = {}
-                if content:
-                    delta["content"] = content
-                if calls:
-                    delta["tool_calls"] = calls
-                if not delta and not s.finished and not item.logprobs:
-                    continue
-                c = {"index": s.index, "delta": delta, "logprobs": logprobs(s, list(item.logprobs or ())),
-                     "finish_reason": reason(s, s.index in called) if s.finished else None}
-                if s.finished:
-                    c["stop_reason"] = s.matched_stop
-                chunk = {**head, "choices": [c], **last_ext(s)}
-                if continuous:
-                    chunk["usage"] = usage([s], len(ids), s.last.cached_tokens)
-                yield event(chunk)
+                # a call's head goes in a chunk of its own, before its arguments (OpenAI's order)
+                deltas = ([{"content": content}] if content else []) + \
+                    [{"tool_calls": part} for part in tool_call_chunks(calls)]
+                if not deltas:
+                    if not s.finished and not item.logprobs:
+                        continue
+                    deltas = [{}]
+                lps = logprobs(s, list(item.logprobs or ()))
+                for k, delta in enumerate(deltas):
+                    last = k == len(deltas) - 1
+                    c = {"index": s.index, "delta": delta, "logprobs": lps if k == 0 else None,
+                         "finish_reason": reason(s, s.index in called) if s.finished and last else None}
+                    if s.finished and last:
+                        c["stop_reason"] = s.matched_stop
+                    chunk = {**head, "choices": [c], **(last_ext(s) if last else {})}
+                    if continuous and last:
+                        chunk["usage"] = usage([s], len(ids), s.last.cached_tokens)
+                    yield event(chunk)
             if include_usage:
                 yield _usage_event(head, started, n_prompt, warm_cached, ext(started))
         return sse(events())

@@ -1,6 +1,7 @@
 """What a chat request becomes before sampling: the prompt rendered by the checkpoint's chat template
-(or the request's own ``chat_template``), the tools it may call, the grammar that forces a call when
-``tool_choice`` asks for one, and how the generated text is read back into ``tool_calls``."""
+(or the request's own ``chat_template``), the tools it may call, the grammar that holds the calls to
+their schemas (and forces one when ``tool_choice`` asks for one), and how the generated text is read
+back into ``tool_calls``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from fastapi import HTTPException
 
 from actors.frontend import bad
 from actors.requests import ChatRequest
+from engine.grammar import available as grammar_available, compile_grammar
 from engine.model import tool_calls as tc
 from engine.model.chat import render_chat
 
@@ -58,6 +60,20 @@ class _Streamer:
         return content, self._keep(calls)
 
 
+def tool_call_chunks(calls: list[dict]) -> list[list[dict]]:
+    """Tool-call deltas grouped into chunks as OpenAI streams them: every call's head (id, name,
+    arguments "") opens a chunk of its own; the argument fragments after it go together in the next."""
+    chunks: list[list[dict]] = []
+    for d in calls:
+        prev = chunks[-1][-1] if chunks else None
+        if "id" in d or prev is None or "id" in prev or prev["index"] != d["index"]:
+            chunks.append([d])
+        else:
+            merged = prev["function"]["arguments"] + d["function"]["arguments"]
+            chunks[-1][-1] = {"index": d["index"], "function": {"arguments": merged}}
+    return chunks
+
+
 def _messages(body: ChatRequest) -> list[dict]:
     return [m.model_dump(exclude_none=True, by_alias=True) for m in body.messages]
 
@@ -92,8 +108,28 @@ def plan_chat(body: ChatRequest, tok) -> ChatPlan:
         raise HTTPException(400, msg if msg.startswith(("messages", "chat_template")) else f"messages: {msg}") from None
     if body.continue_final_message:
         prompt = _continue(prompt, messages)
-    grammar = tc.tool_grammar(tools, choice, fmt) if tools and choice not in ("auto", "none") else None
+    grammar = _tool_grammar(tools, choice, fmt, body.parallel_tool_calls)
     return ChatPlan(prompt, tuple(tools) if choice != "none" else (), fmt, grammar, body.parallel_tool_calls)
+
+
+def _tool_grammar(tools: list[dict], choice, fmt: str, parallel: bool) -> tuple[str, str] | None:
+    """The grammar of the calls (auto included: a call the model opens is held to the same grammar),
+    compiled here so that a schema llguidance cannot use is a 400 naming the tools, not a failed stream."""
+    if not tools or choice == "none" or (choice == "auto" and not grammar_available()):
+        return None     # without llguidance, auto still serves, unconstrained as before
+    try:
+        grammar = tc.tool_grammar(tools, choice, fmt, parallel)
+    except ValueError as e:
+        raise HTTPException(400, str(e)) from None
+    try:
+        compile_grammar(*grammar)
+    except ValueError as e:
+        if choice == "auto":
+            # a valid schema llguidance cannot compile (e.g. "not"): auto had no grammar before and vLLM's
+            # has none, so it still serves, unconstrained, rather than refusing the request
+            return None
+        raise bad("tools", f"the calls cannot be constrained to these schemas ({e})") from None
+    return grammar
 
 
 def _continue(prompt: str, messages: list[dict]) -> str:

@@ -28,6 +28,11 @@ from engine.sampling import SamplingParams
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
 
+def available() -> bool:
+    """Whether structured output can be served here (llguidance imports)."""
+    return llguidance is not None
+
+
 def _require() -> None:
     if llguidance is None:
         raise ValueError(f"grammar: structured output needs the llguidance package, which does not import "

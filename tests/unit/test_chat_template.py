@@ -88,7 +88,10 @@ def test_tool_calls_parse_back_and_stream_without_leaking_the_marker():
         streamed = "".join(c for c, _ in outs)
         deltas = [d for _, ds in outs for d in ds]
         assert "<tool" not in streamed and streamed.strip() == "Let me check."
-        assert len(deltas) == 1 and json.loads(deltas[0]["function"]["arguments"]) == {"city": "Oslo"}
+        head, args = deltas[0], deltas[1:]    # OpenAI's shape: the head, then the arguments in fragments
+        assert head["function"] == {"name": "get_weather", "arguments": ""} and head["id"] and head["index"] == 0
+        assert all(d["index"] == 0 and set(d) == {"index", "function"} for d in args)
+        assert json.loads("".join(d["function"]["arguments"] for d in args)) == {"city": "Oslo"}
     assert "get_weather" in tools_system_prompt(TOOLS, "hermes")
     c, calls = parse_tool_calls('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}]', "mistral", TOOLS)
     assert c == "" and calls[0].arguments == '{"city": "Rome"}'

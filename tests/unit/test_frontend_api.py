@@ -118,7 +118,7 @@ def test_structured_output_validates(oai, http):
 def test_tool_choice_required_and_named_return_parseable_calls(oai):
     msgs = [{"role": "user", "content": "What's the weather in Paris?"}]
     r = oai.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice="required", max_tokens=120,
-                                    temperature=1.0, seed=2)
+                                    temperature=1.0, seed=2, parallel_tool_calls=False)
     calls = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and len(calls) == 1
     assert calls[0].function.name in ("get_weather", "get_time") and isinstance(json.loads(calls[0].function.arguments), dict)
