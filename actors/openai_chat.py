@@ -10,7 +10,7 @@ from fastapi import HTTPException
 from actors.frontend import bad
 from actors.requests import ChatRequest
 from engine.model import tool_calls as tc
-from engine.model.chat import render_chat
+from engine.model.chat import message_ends, render_chat
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,7 @@ class ChatPlan:
     fmt: str = "hermes"
     grammar: tuple[str, str] | None = None
     parallel: bool = True
+    message_ends: tuple[int, ...] = ()   # character offsets in ``prompt`` where messages end (chat.message_ends)
 
     def parse(self, text: str) -> tuple[str, list[dict]]:
         """(content, tool calls in OpenAI's message shape)."""
@@ -93,7 +94,23 @@ def plan_chat(body: ChatRequest, tok) -> ChatPlan:
     if body.continue_final_message:
         prompt = _continue(prompt, messages)
     grammar = tc.tool_grammar(tools, choice, fmt) if tools and choice not in ("auto", "none") else None
-    return ChatPlan(prompt, tuple(tools) if choice != "none" else (), fmt, grammar, body.parallel_tool_calls)
+    ends = message_ends(template, messages, prompt, tools=tools or None, special=tok.special_tokens, **kwargs)
+    return ChatPlan(prompt, tuple(tools) if choice != "none" else (), fmt, grammar, body.parallel_tool_calls, ends)
+
+
+def token_ends(plan: ChatPlan, ids: list[int], encode) -> tuple[int, ...]:
+    """``plan.message_ends`` as token positions in ``ids`` (the prompt's tokens): how many leading tokens
+    the prompt shares with the encoding of the text up to each end (a token spanning an end belongs to
+    the next message)."""
+    out = []
+    for c in plan.message_ends:
+        part = encode(plan.prompt[:c])
+        k, n = 0, min(len(part), len(ids))
+        while k < n and part[k] == ids[k]:
+            k += 1
+        if k:
+            out.append(k)
+    return tuple(out)
 
 
 def _continue(prompt: str, messages: list[dict]) -> str:
