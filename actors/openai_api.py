@@ -15,7 +15,11 @@ from actors.cache_report import add_tiers, sglext
 from actors.frontend import Frontend, Sample, bad
 from actors.http_models import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk,
                                 CompletionResponse, ModelCard, ModelList, errors, sse_200)
+<<<<<<< HEAD
 from actors.openai_chat import ChatPlan, plan_chat, tool_call_chunks
+=======
+from actors.openai_chat import ChatPlan, plan_chat, token_ends
+>>>>>>> branch-http
 from actors.requests import ChatRequest, CompletionRequest
 from actors.sse import event, reply, sse
 
@@ -196,8 +200,12 @@ class OpenAIAdapter:
             raise bad("top_logprobs", "needs logprobs: true")
         grammar = sa.one_grammar(response_format=sa.response_format_grammar(body.response_format),
                                  tool_choice=plan.grammar, **sa.vllm_grammars(body))
+        # Where the messages end, so the cache keeps the sliding window before each (a later request
+        # editing or adding a message branches there); not for a prompt cut from the left.
+        ends = () if body.truncate_prompt_tokens else token_ends(plan, ids, fe.tok.encode)
         params = fe.params("request", max_new_tokens=max_new, grammar=grammar, logprobs=body.logprobs,
-                           top_logprobs=top_n, **sa.common_kwargs(body, fe.backend.vocab_size, fe.sampling_defaults))
+                           top_logprobs=top_n, message_boundaries=ends,
+                           **sa.common_kwargs(body, fe.backend.vocab_size, fe.sampling_defaults))
         rid = body.request_id or f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         samples, pins, n_prompt, warm_cached, warm_tiers = await self._start([ids], params, n)

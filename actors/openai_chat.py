@@ -12,7 +12,7 @@ from actors.frontend import bad
 from actors.requests import ChatRequest
 from engine.grammar import available as grammar_available, compile_grammar
 from engine.model import tool_calls as tc
-from engine.model.chat import render_chat
+from engine.model.chat import message_ends, render_chat
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class ChatPlan:
     fmt: str = "hermes"
     grammar: tuple[str, str] | None = None
     parallel: bool = True
+    message_ends: tuple[int, ...] = ()   # character offsets in ``prompt`` where messages end (chat.message_ends)
 
     def parse(self, text: str) -> tuple[str, list[dict]]:
         """(content, tool calls in OpenAI's message shape)."""
@@ -109,7 +110,23 @@ def plan_chat(body: ChatRequest, tok) -> ChatPlan:
     if body.continue_final_message:
         prompt = _continue(prompt, messages)
     grammar = _tool_grammar(tools, choice, fmt, body.parallel_tool_calls)
-    return ChatPlan(prompt, tuple(tools) if choice != "none" else (), fmt, grammar, body.parallel_tool_calls)
+    ends = message_ends(template, messages, prompt, tools=tools or None, special=tok.special_tokens, **kwargs)
+    return ChatPlan(prompt, tuple(tools) if choice != "none" else (), fmt, grammar, body.parallel_tool_calls, ends)
+
+
+def token_ends(plan: ChatPlan, ids: list[int], encode) -> tuple[int, ...]:
+    """``plan.message_ends`` as token positions in ``ids`` (the prompt's tokens): how many leading tokens
+    the prompt shares with the encoding of the text up to each end (a token spanning an end belongs to
+    the next message)."""
+    out = []
+    for c in plan.message_ends:
+        part = encode(plan.prompt[:c])
+        k, n = 0, min(len(part), len(ids))
+        while k < n and part[k] == ids[k]:
+            k += 1
+        if k:
+            out.append(k)
+    return tuple(out)
 
 
 def _tool_grammar(tools: list[dict], choice, fmt: str, parallel: bool) -> tuple[str, str] | None:

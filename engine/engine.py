@@ -75,19 +75,6 @@ class StepOutput:
     matched_stop: int | str | None = None
 
 
-def check_boundaries(boundaries, prompt_len: int) -> tuple[int, ...]:
-    """Message boundaries as sorted positions inside the prompt; ValueError naming the field otherwise."""
-    try:
-        out = sorted({int(b) for b in boundaries if not isinstance(b, bool)})
-    except (TypeError, ValueError):
-        raise ValueError(f"boundaries: must be token positions, got {boundaries!r}") from None
-    if len(out) != len(list(boundaries)) and any(isinstance(b, bool) for b in boundaries):
-        raise ValueError("boundaries: must be token positions, not booleans")
-    if out and not (0 < out[0] and out[-1] <= prompt_len):
-        raise ValueError(f"boundaries: positions must be in [1, {prompt_len}], got {out[0]}..{out[-1]}")
-    return tuple(out)
-
-
 class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
@@ -173,15 +160,13 @@ class Engine:
         return ids
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, rid: str | None = None,
-                    prefill_only: bool = False, boundaries: Sequence[int] = ()) -> str:
+                    prefill_only: bool = False) -> str:
         """Queue a request. ``prefill_only``: stop after the first token and keep the prompt's KV as
         ``kv_payload`` for a decode engine (finish_reason "prefill" unless the first token ends it).
-        ``boundaries``: token positions where the prompt's messages end (engine/model/chat.py
-        ``message_boundaries``): the cache keeps the sliding window before each, for prompts branching
-        off there."""
+        ``params.message_boundaries``: where the prompt's messages end; the cache keeps the sliding
+        window before each, for prompts branching off there."""
         req = self._new_request(prompt, params, rid)
         req.prefill_only = prefill_only
-        req.boundaries = check_boundaries(boundaries, len(req.prompt_ids))
         self.requests[req.rid] = req
         if req.params.max_new_tokens == 0:
             self._finish(req, "length")
@@ -284,7 +269,7 @@ class Engine:
         if rid in self.requests:
             raise ValueError(f"rid: {rid!r} is already in use")
         self._check_params(params, len(ids))
-        req = Request(rid, ids, params, arrival=next(self._arrival))
+        req = Request(rid, ids, params, arrival=next(self._arrival), boundaries=params.message_boundaries)
         if not params.greedy:
             req.generator = make_generator(params.seed, self._rng)
         if params.grammar is not None:
@@ -300,6 +285,9 @@ class Engine:
             out = [t for t in ids if t >= vocab]
             if out:
                 raise ValueError(f"{name}: token id {out[0]} is outside the vocabulary [0, {vocab})")
+        if params.message_boundaries and params.message_boundaries[-1] > prompt_len:
+            raise ValueError(f"message_boundaries: position {params.message_boundaries[-1]} is past the end of "
+                             f"the {prompt_len}-token prompt")
         if params.logprob_start_len >= prompt_len:
             raise ValueError(f"logprob_start_len: {params.logprob_start_len} is not a position of the "
                              f"{prompt_len}-token prompt")

@@ -72,6 +72,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     return_logits: bool = False        # keep each step's next-token logits (tests, scoring)
+    # Not sampling: a cache hint that travels with the request through every hop (ingress, P/D prefill,
+    # decode). Token positions where the prompt's messages end (engine/model/chat.py): the prefix cache
+    # keeps the sliding window before each, where a later prompt editing or adding a message branches off.
+    message_boundaries: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _int("max_new_tokens", self.max_new_tokens, 0)
@@ -109,6 +113,10 @@ class SamplingParams:
         _int("min_new_tokens", self.min_new_tokens, 0)
         _int("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
         _int("logprob_start_len", self.logprob_start_len, -1)
+        marks = tuple(self.message_boundaries)
+        for b in marks:
+            _int("message_boundaries", b, 1)
+        object.__setattr__(self, "message_boundaries", tuple(sorted(set(marks))))
         if self.grammar is not None:
             g = tuple(self.grammar)
             if len(g) != 2 or g[0] not in GRAMMAR_KINDS or not isinstance(g[1], str):

@@ -88,3 +88,26 @@ def render_chat(template: str | None, messages: list[dict], *, tools: list[dict]
         raise ValueError(f"messages: {e}") from None
     except (TypeError, KeyError, AttributeError, IndexError) as e:
         raise ValueError(f"messages: the chat template failed on them ({type(e).__name__}: {e})") from None
+
+
+MESSAGE_ENDS_LOOKBACK = 4
+"""How many of the last messages' ends ``message_ends`` looks for: earlier ones were the ends of earlier
+turns' prompts, whose requests marked them already (and each render costs a template pass)."""
+
+
+def message_ends(template: str | None, messages: list[dict], prompt: str, *, tools: list[dict] | None = None,
+                 special: dict[str, str] | None = None, **kwargs) -> tuple[int, ...]:
+    """Character offsets in ``prompt`` (the render of all ``messages``) where one of the last messages
+    ends: the render of the messages up to it, without a generation prompt, when that is a prefix of
+    ``prompt``. A template that renders a message differently once others follow it, or refuses a
+    partial conversation, gives fewer offsets, never wrong ones."""
+    out = []
+    for i in range(max(1, len(messages) - MESSAGE_ENDS_LOOKBACK), len(messages)):
+        try:
+            part = render_chat(template, messages[:i], tools=tools, add_generation_prompt=False,
+                               special=special, **kwargs)
+        except ValueError:
+            continue
+        if part and len(part) < len(prompt) and prompt.startswith(part):
+            out.append(len(part))
+    return tuple(out)

@@ -3,6 +3,8 @@ not discarded, so a prompt branching off inside a cached one (a shared system pr
 a fork, an edit, a truncation) finds the window before its branch point; SWA-pool pressure takes
 interior pages before the windows the tree keeps (sequence ends, branch points, message boundaries,
 checkpoints), and a request never waits for SWA room eviction could give."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -72,7 +74,7 @@ def _rand(n: int, g: torch.Generator) -> list[int]:
 
 
 def _run(eng: Engine, prompt: list[int], boundaries=()):
-    rid = eng.add_request(prompt, SP, boundaries=boundaries)
+    rid = eng.add_request(prompt, dataclasses.replace(SP, message_boundaries=tuple(boundaries)))
     while eng.has_unfinished():
         eng.step()
         eng.check_integrity()
@@ -124,8 +126,10 @@ def test_message_boundaries_keep_their_window_under_pressure():
     edit = _run(eng, system + _rand(50, g))
     assert edit.cached_tokens == 192, edit.cached_tokens   # the whole pages before the boundary at 200
     eng.check_integrity()
-    with pytest.raises(ValueError, match="boundaries"):
-        eng.add_request(system, SP, boundaries=[500])
+    with pytest.raises(ValueError, match="message_boundaries"):
+        eng.add_request(system, dataclasses.replace(SP, message_boundaries=(500,)))
+    with pytest.raises(ValueError, match="message_boundaries"):
+        SamplingParams(message_boundaries=(0,))
     eng.close()
 
 
