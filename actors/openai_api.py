@@ -15,11 +15,7 @@ from actors.cache_report import add_tiers, sglext
 from actors.frontend import Frontend, Sample, bad
 from actors.http_models import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk,
                                 CompletionResponse, ModelCard, ModelList, errors, sse_200)
-<<<<<<< HEAD
-from actors.openai_chat import ChatPlan, plan_chat, tool_call_chunks
-=======
-from actors.openai_chat import ChatPlan, plan_chat, token_ends
->>>>>>> branch-http
+from actors.openai_chat import ChatPlan, plan_chat, token_ends, tool_call_chunks
 from actors.requests import ChatRequest, CompletionRequest
 from actors.sse import event, reply, sse
 

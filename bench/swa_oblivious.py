@@ -28,8 +28,10 @@ class ObliviousHostTier(HostTier):
             if SWA in self.components and node.l1[SWA] is None and node.l2[SWA] is None \
                     and self.room(SWA, len(dst)):
                 self.oblivious.update(zip(dst, self.pool(SWA).allocator.alloc(len(dst))))
-        elif node.l2[FULL] is not None:
-            self.released(FULL, list(node.l2[FULL]))   # the real SWA copy takes the reserved room's place
+        else:   # the real SWA copy takes the reserved room's place (the full copy may still be in flight)
+            full = node.l2[FULL] if node.l2[FULL] is not None else self._backing_up.get((node.id, FULL))
+            if full:
+                self.released(FULL, list(full))
 
     def released(self, c: str, pages: list[int]) -> None:
         if c == FULL and self.oblivious:

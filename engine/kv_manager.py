@@ -220,7 +220,8 @@ class KVManager:
         pool = set(missing)
         have = lambda a: a in pool or (a < len(t.swa) and t.swa[a] is not None)   # noqa: E731
         first: list[int] = []
-        for c in sorted(set(self.checkpoints(req, 0, max(missing, default=0) + 1)), reverse=True):
+        top = max(missing, default=0) + 1
+        for c in sorted(set(self.checkpoints(req, 0, top)) | set(self.boundaries(req, top)), reverse=True):
             win = range(max(0, c - w), c)
             if any(a in pool for a in win) and all(have(a) for a in win):
                 first += [a for a in reversed(win) if a in pool and a not in first]
@@ -315,11 +316,12 @@ class KVManager:
         keys = req.hit.keys if req.hit is not None else None
         # Checkpoints of the previous chunk's last window are marked again: its SWA arrives only now.
         marks = self.checkpoints(req, max(0, t.num_shared_full - self.geom.window_pages - 1), n)
+        ends = self.boundaries(req, n)
         t.interior.clear()   # the tree's now, or freed below as duplicates
         t.whole_below.difference_update(range(upto))
         if finished:
             dup_full, dup_swa = self.cache.insert(req.tokens(0, n * ps), t.full[:n], swa, self.clock(), keys,
-                                                  checkpoints=marks)
+                                                  checkpoints=marks, boundaries=ends)
             dup_full = dup_full + t.full[max(n, t.num_shared_full):]
             dup_swa = dup_swa + [p for a, p in enumerate(t.swa)
                         if p is not None and a not in t.shared_swa and (a >= n or swa[a] is None)]
@@ -328,7 +330,7 @@ class KVManager:
         else:
             hit, dup_full, dup_swa = self.cache.insert_and_hold(req.tokens(0, n * ps), t.full[:n], swa,
                                                                 self.clock(), keys, keep_end=keep_end,
-                                                                checkpoints=marks)
+                                                                checkpoints=marks, boundaries=ends)
             t.full[:n] = hit.full_pages
             t.num_shared_full = n
             for a, p in enumerate(swa):
@@ -347,15 +349,17 @@ class KVManager:
             req.hit = hit
 
     def checkpoints(self, req: "Request", done: int, n: int) -> list[int]:
-        """Page indices in (0, n] whose preceding window the tree keeps for ``req``: its message boundaries
-        (a later prompt that edits or adds a message branches there) and, past ``done`` pages (those an
-        earlier commit or its hit covered), every ``checkpoint_pages`` pages (raw prompts: any edit or
-        truncation finds a window at most that far back)."""
-        ps, every = self.ps, self.checkpoint_pages
-        out = [b // ps for b in req.boundaries if 0 < b // ps <= n]
-        if every:
-            out += range(max(every, (done // every + 1) * every), n + 1, every)
-        return out
+        """Page indices in (done, n] past ``done`` pages (those an earlier commit or its hit covered)
+        where the tree keeps a checkpoint's window: every ``checkpoint_pages`` pages (any edit or
+        truncation of a raw prompt finds a window at most that far back)."""
+        every = self.checkpoint_pages
+        return list(range(max(every, (done // every + 1) * every), n + 1, every)) if every else []
+
+    def boundaries(self, req: "Request", n: int) -> list[int]:
+        """Page indices in (0, n] where one of ``req``'s messages ends (a later prompt that edits or adds
+        a message branches there): the tree keeps the window before each, above checkpoints."""
+        ps = self.ps
+        return [b // ps for b in req.boundaries if 0 < b // ps <= n]
 
     def release(self, req: "Request") -> None:
         """Give back everything the request holds: its own pages to the pools, its hit to the cache.

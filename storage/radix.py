@@ -32,9 +32,10 @@ Rules (checked by ``check_integrity``, see storage/radix_check.py):
 * **Retention** (``swa_keep``). The caller may insert the sliding KV of every page it computed, not only
   the last window: out-of-window pages are evictable, matchable data. The windows before *kept points*
   -- an insert's end (``keep_end``), the point where an insert branches off the existing tree, and the
-  caller's ``checkpoints`` (message boundaries, every ``swa_checkpoint_interval`` tokens) -- are cut into
-  nodes of their own and flagged ``swa_keep``; the SWA lists take every unflagged (interior) node before
-  any flagged one (radix_lru.py), and write policies back up only flagged SWA data (L2/L3 hold one window
+  caller's ``boundaries`` (message ends) and ``checkpoints`` (every ``swa_checkpoint_interval`` tokens) --
+  are cut into nodes of their own and flagged ``swa_keep`` (checkpoints at a lower level than the
+  others); the SWA lists take every unflagged (interior) node first, then checkpoints, then the rest
+  (radix_lru.py), and write policies back up only flagged SWA data (L2/L3 hold one window
   per kept point). A node that becomes a SWA tombstone loses the flag.
 * **Eviction** of (c, tier) from a node drops that copy. Full: if no other full copy is left the node
   and its subtree are removed (``on_evict`` lets a write-back controller back it up first). SWA: the
@@ -59,6 +60,11 @@ from storage.radix_view import ReadOps
 from storage.radix_walk import WalkOps, _run
 from storage.sequence_keys import SequenceKeys
 
+
+KEEP_CHECKPOINT = 1
+"""``Node.swa_keep`` of a window kept every ``swa_checkpoint_interval`` tokens (speculative)."""
+KEEP_POINT = 2
+"""``Node.swa_keep`` of a window before a sequence end, a branch point or a message boundary."""
 
 EVICTIONS = ("lru", "slru")
 """Order of the full LRU lists: plain LRU, or segmented LRU (never-reused data first; radix_lru.py)."""
@@ -271,7 +277,7 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
     def insert(self, keys: Sequence[bytes], full_pages: Sequence[int],
                swa_pages: Optional[Sequence[Optional[int]]] = None, *, now: float,
                tokens: Optional[Sequence[int]] = None, keep_end: bool = True,
-               checkpoints: Sequence[int] = ()) -> InsertResult:
+               checkpoints: Sequence[int] = (), boundaries: Sequence[int] = ()) -> InsertResult:
         """Insert a finished sequence of ``len(keys)`` pages with its L1 pages.
 
         ``full_pages[i]`` is the full L1 page of page i; ``swa_pages`` is aligned with the pages, None
@@ -284,8 +290,10 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
 
         Kept windows (module doc, "Retention"): the one before the insert's end unless ``keep_end`` is
         False (a prompt inserted chunk by chunk: its chunk ends are not points anyone resumes from), the
-        one before the point where the insert branches off the tree, and those before ``checkpoints``
-        (page indices in ``(0, len(keys)]``).
+        one before the point where the insert branches off the tree, and those before ``boundaries``
+        (message ends) and ``checkpoints`` (page indices in ``(0, len(keys)]``). Checkpoints are kept at
+        ``KEEP_CHECKPOINT``, below the others (``KEEP_POINT``): pressure takes a speculative checkpoint
+        before a window where traffic is known to resume.
         """
         n = len(keys)
         full = list(full_pages)
@@ -349,29 +357,29 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
             node = node.parent
         res.node = cur
         if self.window_pages:
-            ends = [c for c in checkpoints if 0 < c <= n]
-            if keep_end and n:
-                ends.append(n)
-            if branch:
-                ends.append(branch)
+            ends = {c: KEEP_CHECKPOINT for c in checkpoints if 0 < c <= n}
+            points = [c for c in boundaries if 0 < c <= n] + ([n] if keep_end and n else []) + \
+                ([branch] if branch else [])
+            ends.update((c, KEEP_POINT) for c in points)
             if ends:
                 self._keep_windows(cur, ends)
         return res
 
-    def _keep_windows(self, last: Node, ends: list[int]) -> None:
-        """Flag ``swa_keep`` on the nodes covering the window ``[e - W, e)`` before each page index ``e``
-        of ``ends`` on the path to ``last`` (which ends at or after every e), splitting nodes so that
-        each flagged node lies wholly inside a window."""
+    def _keep_windows(self, last: Node, ends: dict[int, int]) -> None:
+        """Raise ``swa_keep`` to ``ends[e]`` on the nodes covering the window ``[e - W, e)`` before each
+        page index ``e`` on the path to ``last`` (which ends at or after every e), splitting nodes so
+        that each kept node lies wholly inside a window (overlapping windows take the higher level)."""
         w, root = self.window_pages, self.root
-        spans: list[list[int]] = []   # merged [lo, hi), highest first
-        for e in sorted(set(ends), reverse=True):
+        spans: list[list[int]] = []   # merged [lo, hi, level), highest first
+        for e in sorted(ends, reverse=True):
             lo = max(0, e - w)
             if spans and e >= spans[-1][0]:
                 spans[-1][0] = min(spans[-1][0], lo)
+                spans[-1][2] = max(spans[-1][2], ends[e])
             else:
-                spans.append([lo, e])
+                spans.append([lo, e, ends[e]])
         x = last
-        for lo, hi in spans:
+        for lo, hi, level in spans:
             while x is not root and x.depth >= hi:
                 x = x.parent
             while x is not root and x.end > lo:
@@ -385,8 +393,8 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
                 up = None
                 if x.depth < lo:
                     up = self._split(x, lo - x.depth)
-                if not x.swa_keep:
-                    x.swa_keep = True
+                if x.swa_keep < level:
+                    x.swa_keep = level
                     self._refresh(x, SWA)   # re-keyed behind the interior pages
                 if up is not None:
                     x = up
@@ -432,7 +440,7 @@ class RadixTree(WalkOps, LockOps, TierOps, ReadOps):
         if was != now:
             self._events.append(KVEvent("stored" if now else "removed", tier, c, tuple(node.keys)))
             if c == SWA and not now and node.swa_keep and not node.has_any(SWA):
-                node.swa_keep = False   # a tombstone keeps nothing (and may join its neighbours again)
+                node.swa_keep = 0   # a tombstone keeps nothing (and may join its neighbours again)
             if c == FULL and tier != L3:
                 parent = node.parent
                 if tier == L1:

@@ -17,8 +17,9 @@ members may hold at most ``protect`` of the list's pages: past that, the least r
 (at eviction time), so stale content that was once reused cannot pin the cache for ever.
 
 **Kept windows first-kept** (``keep_first``; the SWA lists). A SWA member whose ``swa_keep`` is set (the
-window before a point where traffic branches or resumes: a sequence end, a branch point, a checkpoint;
-storage/radix.py) goes after every member that is not: interior sliding KV, which no match can start
+window before a point where traffic branches or resumes: a sequence end, a branch point, a message end,
+a checkpoint; storage/radix.py) goes after every member that is not, and a checkpoint's (level 1) before
+the others' (level 2): interior sliding KV, which no match can start
 from unless the pages before a later point are all present, is what SWA-pool pressure takes first. No
 cap: kept windows are a bounded share of the SWA data by construction (one window per kept point).
 Interior members of one recency go shallowest first: the pages just before a sequence's kept end are

@@ -92,10 +92,10 @@ class Node:
         # SWA recency apart from full: a match or insert refreshes SWA only inside the window before its
         # end, so the stale windows of earlier turns age while the path's full data stays hot.
         self.swa_access = now
-        # Whether this node's SWA data is (part of) the window before a kept point -- a sequence end, a
-        # branch point, a checkpoint (RadixTree, "Retention"): SWA-pool pressure takes it only after
-        # every interior page. Cleared when the node becomes a SWA tombstone.
-        self.swa_keep = False
+        # Whether this node's SWA data is (part of) the window before a kept point, and how strongly: 0
+        # interior, 1 a checkpoint, 2 a sequence end, branch point or message boundary (RadixTree,
+        # "Retention"): SWA-pool pressure takes lower levels first. 0 once the node is a SWA tombstone.
+        self.swa_keep = 0
         self.hit_count = 0
         self.demoted_hits = 0   # hit_count when segmented LRU last demoted it (radix_lru.py)
         self.child_l1 = self.child_l2 = 0

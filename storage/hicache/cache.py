@@ -275,24 +275,26 @@ class HiCache:
     # ---- insert ------------------------------------------------------------------------------------
     def insert(self, tokens: Sequence[int], full_pages: Sequence[int], swa_pages: Sequence[Optional[int]],
                now: float, keys: Optional[SequenceKeys] = None, keep_end: bool = True,
-               checkpoints: Sequence[int] = ()) -> tuple[list[int], list[int]]:
+               checkpoints: Sequence[int] = (), boundaries: Sequence[int] = ()) -> tuple[list[int], list[int]]:
         """Hand a finished sequence's whole pages to the tree. Returns (full, swa) L1 pages the caller
         still owns and must free (duplicates of pages the tree already had). ``keys``: the request's
-        ``PrefixHit.keys``, so what its match already knows is not hashed again. ``keep_end`` and
-        ``checkpoints``: the windows the tree keeps (RadixTree.insert)."""
+        ``PrefixHit.keys``, so what its match already knows is not hashed again. ``keep_end``,
+        ``checkpoints`` and ``boundaries``: the windows the tree keeps (RadixTree.insert)."""
         n = len(full_pages)
         if n == 0:
             return [], []
         swa = swa_pages if self.has_swa else None   # the tree copies both lists
         keys = keys.extended(tokens, n) if keys is not None else self.tree.sequence_keys(tokens, n)
-        res = self.tree.insert(keys, full_pages, swa, now=now, keep_end=keep_end, checkpoints=checkpoints)
+        res = self.tree.insert(keys, full_pages, swa, now=now, keep_end=keep_end, checkpoints=checkpoints,
+                               boundaries=boundaries)
         self._write.inserted(res.node)
         return res.free_full, res.free_swa
 
     def insert_and_hold(self, tokens: Sequence[int], full_pages: Sequence[int],
                         swa_pages: Sequence[Optional[int]], now: float,
                         keys: Optional[SequenceKeys] = None, keep_end: bool = True,
-                        checkpoints: Sequence[int] = ()) -> tuple[PrefixHit, list[int], list[int]]:
+                        checkpoints: Sequence[int] = (),
+                        boundaries: Sequence[int] = ()) -> tuple[PrefixHit, list[int], list[int]]:
         """``insert`` for a request that keeps running on these pages (a prompt just prefilled): the
         inserted sequence comes back locked as a hit whose ``full_pages`` / ``swa_pages`` (the last
         window) are the tree's pages the request must read from now on, with the request's duplicates
@@ -301,7 +303,8 @@ class HiCache:
         n = len(full_pages)
         swa = list(swa_pages) if self.has_swa else [None] * n
         keys = keys.extended(tokens, n) if keys is not None else self.tree.sequence_keys(tokens, n)
-        res = self.tree.insert(keys, list(full_pages), swa, now=now, keep_end=keep_end, checkpoints=checkpoints)
+        res = self.tree.insert(keys, list(full_pages), swa, now=now, keep_end=keep_end, checkpoints=checkpoints,
+                               boundaries=boundaries)
         hit = PrefixHit(node=res.node, num_pages=n, keys=keys)
         self._lock(hit)
         gather_l1(hit, res.node.path(), n, self.tree.window_pages)   # an insert leaves its whole path in L1

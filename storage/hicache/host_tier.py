@@ -128,7 +128,7 @@ class HostTier:
     # ---- hooks of a baseline (bench/swa_oblivious.py) -------------------------------------------------
     def backs_up(self, node: Node) -> bool:
         """Whether ``node``'s SWA data earns host room: only kept windows (interior pages are recomputed)."""
-        return node.swa_keep
+        return node.swa_keep > 0
 
     def reserved(self, node: Node, c: str, dst: list[int]) -> None:
         """``dst`` were just taken for ``node``'s L2 copy of ``c``."""
