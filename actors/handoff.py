@@ -51,10 +51,13 @@ class KVHandoff:
         self.workers = workers
 
     async def run(self, ids: list[int], params: SamplingParams, prefill: str,
-                  decode: str | None) -> AsyncIterator[StreamItem]:
+                  decode: str | None, predicted: int | None = None) -> AsyncIterator[StreamItem]:
         """Stream one request's items: through ``prefill`` alone (colocated) or handed off to ``decode``.
-        Each item carries its route; the last carries the prefill side's cached-token counts."""
+        Each item carries its route (with the router's ``predicted`` cached tokens when it chose it);
+        the last carries the prefill side's cached-token counts."""
         route = {"prefill": prefill, "decode": decode}
+        if predicted is not None:
+            route["predicted_cached_tokens"] = predicted
         if decode is None:
             async for item in self.workers.generate(prefill, ids, params):
                 item.route = route

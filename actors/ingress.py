@@ -53,10 +53,11 @@ class RayBackend:
             keys = prompt_keys(ids, self.geometry, self.router_cfg)
             if pin and pin.get("prefill") in self.workers and pin.get("decode") in (None, *self.workers) \
                     and not {pin.get("prefill"), pin.get("decode")} & set(avoid):
-                choice = {"prefill": pin["prefill"], "decode": pin.get("decode")}
+                choice = {"prefill": pin["prefill"], "decode": pin.get("decode"), "predicted": None}
             else:
                 r = await self._route(keys, len(ids), avoid)
-                choice = {"prefill": r.prefill, "decode": r.decode}
+                choice = {"prefill": r.prefill, "decode": r.decode,
+                          "predicted": r.cached_pages * self.geometry.page_size}
             for w in (choice["prefill"], choice["decode"]):
                 if w is not None and w not in self.workers:   # scaled out since this replica started
                     self.workers[w] = await asyncio.get_running_loop().run_in_executor(None, self._lookup, w)
@@ -65,7 +66,7 @@ class RayBackend:
         for w in {choice["prefill"], choice["decode"]} & set(avoid):
             await self._wait_alive(w)  # the only such worker failed this request: let it restart first
         try:
-            async for item in self.handoff.run(ids, params, choice["prefill"], choice["decode"]):
+            async for item in self.handoff.run(ids, params, choice["prefill"], choice["decode"], choice["predicted"]):
                 yield item
         except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
             raise WorkerFailed(str(e).splitlines()[0][:300],

@@ -12,8 +12,8 @@ Workloads, requests sent one at a time (so "in flight together" never arises):
 
 * ``gsp``: shaped like SGLang's generated-shared-prefix (``--gsp-num-groups 4 --gsp-prompts-per-group 12
   --gsp-system-prompt-len 384 --gsp-question-len 64``), groups interleaved;
-* ``fork``: conversations of 3 turns (a 256-token first message, 64-token follow-ups, 16-token answers)
-  that fork into 4 continuations at their second turn (agent forks, parallel samples, regenerations).
+* ``fork``: conversations (a 256-token first message, a 96-token second one, 16-token answers) that
+  fork into 4 continuations inside their second message (edits of the last message, agent forks).
 
 Ideal hit: for each request, the whole pages (at most ``(len - 1) // 16``) of its longest prefix shared
 with a sequence an earlier request left (prompt + answer), as a cache with unbounded memory serves it.
@@ -48,13 +48,16 @@ def gsp(groups: int = 4, per_group: int = 12, system: int = 384, question: int =
 
 
 def fork_convs(convs: int = 4, k: int = 4, seed: int = 1):
-    """(conversation, branch) -> the messages of each turn; branches share turns 0 and 1's prompt."""
+    """(conversation, branch) -> the messages of each turn. Every branch sends the same first message;
+    branch b's second message is branch 0's cut after ``96 - 24 * b`` tokens and continued differently
+    (an edit of the last message, a fork at an earlier point of the conversation): branch points fall
+    inside a cached prompt, not at its end."""
     g = torch.Generator().manual_seed(seed)
     r = lambda n: torch.randint(0, 256, (n,), generator=g).tolist()   # noqa: E731
     out = []
     for c in range(convs):
-        first, second = r(256), r(64)
-        out.append([[first, second + r(64)] if b else [first, second] for b in range(k)])
+        first, second = r(256), r(96)
+        out.append([[first, second[:96 - 24 * b] + r(24 * b)] for b in range(k)])
     return out
 
 

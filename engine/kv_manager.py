@@ -317,6 +317,10 @@ class KVManager:
         # Checkpoints of the previous chunk's last window are marked again: its SWA arrives only now.
         marks = self.checkpoints(req, max(0, t.num_shared_full - self.geom.window_pages - 1), n)
         ends = self.boundaries(req, n)
+        if keep_end or finished:
+            # A repeat of this prompt matches only the whole pages before its last token: that point's
+            # window is kept too (one page more when the prompt ends on a page boundary).
+            ends.append(max(0, req.num_computed - 1) // ps)
         t.interior.clear()   # the tree's now, or freed below as duplicates
         t.whole_below.difference_update(range(upto))
         if finished:

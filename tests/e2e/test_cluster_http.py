@@ -191,3 +191,26 @@ def test_a_non_streamed_request_survives_its_decode_worker_dying(cluster, refere
     assert r.status_code == 200, r.text
     numerics.assert_same_output(r.json()["output_ids"], want, reference.model_config, "after a decode restart")
     assert "strata_request_retries_total" in httpx.get(f"{url}/metrics").text
+
+
+def test_the_abcd_probe_hits_from_every_branch_point_through_the_cluster(cluster):
+    """[branch]'s probe through `strata serve` (P/D): the prefill worker that computed P keeps its
+    interior sliding KV and checkpoints, so B (P + 20 others), C (P + 200 others) and D (P's first 300
+    tokens + 20) hit there as on one engine, and the router predicts each hit exactly."""
+    import torch
+    url = cluster["url"]
+    g = torch.Generator().manual_seed(3301)
+    rand = lambda n: torch.randint(0, 256, (n,), generator=g).tolist()   # noqa: E731
+    p = rand(600)
+    probes = [("A", p + rand(20)), ("B", p + rand(20)), ("C", p + rand(200)), ("D", p[:300] + rand(20))]
+    got = {}
+    for name, ids in probes:
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+        meta = httpx.post(f"{url}/generate", json=body, timeout=60).json()["meta_info"]
+        got[name] = meta
+        time.sleep(0.5)  # the prefill worker's KV events reach the router within a report interval
+    hits = {k: m["cached_tokens"] for k, m in got.items()}
+    assert hits["A"] == 0 and hits["B"] >= 584 and hits["C"] >= 584 and hits["D"] >= 288, hits
+    assert all(m["route"]["decode"] is not None for m in got.values())          # P/D, not colocated
+    assert {m["route"]["prefill"] for m in got.values()} == {got["A"]["route"]["prefill"]}
+    assert {k: m["route"]["predicted_cached_tokens"] for k, m in got.items()} == hits

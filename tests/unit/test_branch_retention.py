@@ -166,3 +166,32 @@ def _nodes(tree):
         stack.extend(x.children.values())
         if x is not tree.root:
             yield x
+
+
+def test_the_chat_route_keeps_the_window_before_each_message_end():
+    """Through the OpenAI chat route (openai SDK over the in-process app): the rendered conversation's
+    message ends become kept windows, so an edit of the last user message hits up to the end of the
+    message before it, even with checkpoints far apart and the interior evicted by other traffic."""
+    import openai
+    from fastapi.testclient import TestClient
+
+    from actors.http_api import build_app
+    from actors.local_backend import LocalBackend
+
+    backend = LocalBackend.from_pretrained("strata-tiny", page_size=16, num_pages=2048, enable_prefix_cache=True,
+                                           swa_full_ratio=24 / 2048, swa_checkpoint_interval=4096)
+    eng = backend.core.engine
+    with TestClient(build_app(backend)) as http:
+        oai = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+        system = {"role": "system", "content": "You answer in one short sentence, plainly. " * 12}
+        history = [system, {"role": "user", "content": "What is the tallest mountain on the island?"},
+                   {"role": "assistant", "content": "It is the one to the north."}]
+        ask = lambda last: oai.chat.completions.create(   # noqa: E731
+            model="strata-tiny", messages=history + [{"role": "user", "content": last}], max_tokens=4)
+        ask("And how high is it, in metres and in feet?")
+        ids = eng.tokenizer.encode(eng.tokenizer.render_chat(history, add_generation_prompt=False))
+        oai.completions.create(model="strata-tiny", prompt=[7] * 300, max_tokens=4)   # evicts interior pages
+        assert eng.cache.stats["evicted_pages"]["L1"] > 0
+        edit = ask("How far is it from the coast?")
+        assert edit.usage.prompt_tokens_details.cached_tokens == len(ids) // 16 * 16
+    backend.close()
