@@ -187,8 +187,8 @@ class StorageActor:
         self.workers: dict = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        if router is not None and self.service.master is not None:
-            router.l3_reset.remote()   # a (re)started master is empty
+        if self.router is not None and self.service.master is not None:
+            self.router.l3_reset.remote()   # a (re)started master is empty
         threading.Thread(target=self._loop, name="strata-storage", daemon=True).start()
 
     def _loop(self) -> None:

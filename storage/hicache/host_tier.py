@@ -21,7 +21,7 @@ from storage.hicache.tier import free_pages
 from storage.host import HostPool, HostPools
 from storage.pools import COMPONENTS, FULL, SWA, KVPools
 from storage.radix import RadixTree
-from storage.radix_node import L2, Node
+from storage.radix_node import L1, L2, Node
 
 Then = Optional[Callable[[Node, str], None]]
 
@@ -114,6 +114,17 @@ class HostTier:
             freed = self.tree.evict(c, L2, n - host.allocator.num_free)
             self.stats["evicted_pages"]["L2"] += len(freed[c, L2])
             free_pages(freed, self.l1, self)
+        if not host.allocator.can_alloc(n):
+            # Still short: drop backups of data L1 still holds, least recently used first (unlocked, so
+            # no copy reads them). The data stays cached; only its second copy goes. Without this, kept
+            # windows resident in L1 could fill the host pool and refuse every L3 prefetch.
+            for node in self.tree.evictable(c, L1, n - host.allocator.num_free + host.allocator.num_used):
+                if node.l2[c] is not None and (node.id, c) not in self._backing_up:
+                    dropped = self.tree.set_l2(node, c, None)
+                    self.stats["evicted_pages"]["L2"] += len(dropped)
+                    self.free(c, dropped)
+                    if host.allocator.can_alloc(n):
+                        break
         return host.allocator.can_alloc(n)
 
     def alloc(self, c: str, n: int) -> Optional[list[int]]:
