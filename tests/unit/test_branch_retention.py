@@ -150,22 +150,14 @@ def test_swa_pressure_evicts_interior_first_and_no_request_waits_for_room():
             eng.check_integrity()
         hits.append(eng.pop_finished(rid).cached_tokens)
         tree = eng.cache.tree
-        interior = sum(len(n.l1_swa) for n in _nodes(tree) if n.l1_swa is not None and not n.swa_keep)
-        kept = sum(len(n.l1_swa) for n in _nodes(tree) if n.l1_swa is not None and n.swa_keep)
+        interior = sum(len(n.l1_swa) for n in tree.iter_nodes() if n.l1_swa is not None and not n.swa_keep)
+        kept = sum(len(n.l1_swa) for n in tree.iter_nodes() if n.l1_swa is not None and n.swa_keep)
         # Kept windows are never evicted while interior pages remain (pool full: free + interior >= 0)
         assert kept + interior <= eng.pools.swa.num_pages
     assert hits[0] == 0 and all(h == 384 for h in hits[1:]), hits
     assert eng.scheduler.num_preemptions == 0
     eng.close()
 
-
-def _nodes(tree):
-    stack = [tree.root]
-    while stack:
-        x = stack.pop()
-        stack.extend(x.children.values())
-        if x is not tree.root:
-            yield x
 
 
 def test_the_chat_route_keeps_the_window_before_each_message_end():
