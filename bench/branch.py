@@ -117,21 +117,12 @@ def serve(eng: Engine, gen, max_new: int = 16) -> dict:
             prompt = gen.send(out)
         except StopIteration:
             prompt = None
-    kept = sum(len(x.l1_swa) for x in _nodes(eng.cache.tree) if x.l1_swa is not None and x.swa_keep)
+    kept = sum(len(x.l1_swa) for x in eng.cache.tree.iter_nodes() if x.l1_swa is not None and x.swa_keep)
     ttft.sort()
     return {"hit_rate": hits / prompt_tokens, "ideal_hit_rate": ideal_hits / prompt_tokens,
             "of_ideal": hits / ideal_hits if ideal_hits else 1.0, "ttft_p50_ms": 1e3 * ttft[len(ttft) // 2],
             "swa_pages_peak": swa_peak, "swa_pages_kept_end": kept,
             "swa_pool": eng.pools.swa.num_pages, "mispredicted": mispredicted, "requests": len(ttft)}
-
-
-def _nodes(tree):
-    stack = [tree.root]
-    while stack:
-        x = stack.pop()
-        stack.extend(x.children.values())
-        if x is not tree.root:
-            yield x
 
 
 def run_gsp(eng: Engine, quick: bool) -> dict:

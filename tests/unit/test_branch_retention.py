@@ -150,22 +150,14 @@ def test_swa_pressure_evicts_interior_first_and_no_request_waits_for_room():
             eng.check_integrity()
         hits.append(eng.pop_finished(rid).cached_tokens)
         tree = eng.cache.tree
-        interior = sum(len(n.l1_swa) for n in _nodes(tree) if n.l1_swa is not None and not n.swa_keep)
-        kept = sum(len(n.l1_swa) for n in _nodes(tree) if n.l1_swa is not None and n.swa_keep)
+        interior = sum(len(n.l1_swa) for n in tree.iter_nodes() if n.l1_swa is not None and not n.swa_keep)
+        kept = sum(len(n.l1_swa) for n in tree.iter_nodes() if n.l1_swa is not None and n.swa_keep)
         # Kept windows are never evicted while interior pages remain (pool full: free + interior >= 0)
         assert kept + interior <= eng.pools.swa.num_pages
     assert hits[0] == 0 and all(h == 384 for h in hits[1:]), hits
     assert eng.scheduler.num_preemptions == 0
     eng.close()
 
-
-def _nodes(tree):
-    stack = [tree.root]
-    while stack:
-        x = stack.pop()
-        stack.extend(x.children.values())
-        if x is not tree.root:
-            yield x
 
 
 def test_the_chat_route_keeps_the_window_before_each_message_end():
@@ -195,3 +187,28 @@ def test_the_chat_route_keeps_the_window_before_each_message_end():
         edit = ask("How far is it from the coast?")
         assert edit.usage.prompt_tokens_details.cached_tokens == len(ids) // 16 * 16
     backend.close()
+
+
+@pytest.mark.numerics
+def test_a_branch_point_found_only_in_l2_loads_its_window_and_full_pages(reference):
+    """L2 holds the kept windows (checkpoints, ends), not the interior: with L1 emptied, B and D hit
+    from L2 up to their last checkpoint, load-back moves no more than they use, tokens as without cache."""
+    from storage.config import HiCacheConfig
+    eng = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=2048, enable_prefix_cache=True,
+                                 hicache=HiCacheConfig(host_pages=2048, write_policy="write_through"))
+    g = torch.Generator().manual_seed(34)
+    p = _rand(600, g)
+    _run(eng, p + _rand(20, g))
+    for name, prompt, want in (("B", p + _rand(20, g), 512), ("D", p[:300] + _rand(20, g), 256)):
+        eng.cache.poll(block=True)
+        for c in ("full", "swa"):
+            eng.cache.evict_l1(c, 1 << 30)    # only L2 holds the cached pages now
+        before = dict(eng.stats()["cache"]["loadback"])
+        out = _run(eng, prompt)
+        assert out.cached_tokens == want and out.cached_tokens_by_tier["L2"] == want, (name, out.cached_tokens_by_tier)
+        lb = eng.stats()["cache"]["loadback"]
+        loaded, used = lb["loaded"] - before["loaded"], lb["used"] - before["used"]
+        assert 0 < loaded <= 1.05 * used, (name, loaded, used)
+        numerics.assert_same_output(out, reference.generate([prompt], SP)[0], eng.model_config, name)
+    eng.check_integrity()
+    eng.close()

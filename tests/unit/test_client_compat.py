@@ -5,33 +5,12 @@ logprob token names and offsets, prompt-logprob ranks, OpenAI's 400 error object
 import openai
 import pytest
 import torch
-from fastapi.testclient import TestClient
 
-from actors.http_api import build_app
-from actors.local_backend import LocalBackend
-from engine import Engine, SamplingParams
+from engine import SamplingParams
 from tests import numerics
+from tests.unit.app_fixtures import http, oai, reference  # noqa: F401  (module fixtures)
 
 MODEL = "strata-tiny"
-
-
-@pytest.fixture(scope="module")
-def http():
-    backend = LocalBackend.from_pretrained(MODEL, page_size=16, num_pages=256, enable_prefix_cache=True)
-    with TestClient(build_app(backend)) as c:
-        c.tok = backend.tokenizer
-        yield c
-    backend.close()
-
-
-@pytest.fixture(scope="module")
-def oai(http):
-    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return Engine.from_pretrained(MODEL, page_size=16, num_pages=256)
 
 
 def _bytes_of_name(name: str) -> bytes:

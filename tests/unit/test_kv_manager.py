@@ -17,12 +17,12 @@ PS, W = 4, 8
 LAYERS = ("sliding_attention", "full_attention")
 
 
-def make(num_pages=32, cache=True):
+def make(num_pages=32, cache=True, checkpoint_interval=0):
     pools = KVPools(KVPoolConfig(page_size=PS, num_pages=num_pages, swa_full_ratio=0.5), LAYERS, 1, 2,
                     torch.float32, "cpu")
     geom = KVGeometry.from_layers(LAYERS, W, PS)
     hc = HiCache(pools, geom) if cache else None
-    return KVManager(geom, pools, hc), hc
+    return KVManager(geom, pools, hc, checkpoint_interval=checkpoint_interval), hc
 
 
 def check(kv, hc):
@@ -140,16 +140,18 @@ PROMPTS = [list(range(3, 3 + n)) for n in (9, 17, 26)] + [list(range(40, 62))]
 class PagesMachine(RuleBasedStateMachine):
     """Random admissions (with prefix hits), chunks, decodes, finishes, preemptions and evictions."""
 
-    @initialize(num_pages=st.integers(12, 40), cache=st.booleans())
-    def setup(self, num_pages, cache):
-        self.kv, self.hc = make(num_pages, cache)
+    @initialize(num_pages=st.integers(12, 40), cache=st.booleans(), every=st.sampled_from([0, 4, 8, 13]))
+    def setup(self, num_pages, cache, every):
+        self.kv, self.hc = make(num_pages, cache, every)   # checkpoints every 1-3 pages, or the default
         self.waiting, self.running, self.n = [], [], 0
 
-    @rule(k=st.integers(0, len(PROMPTS) - 1), extra=st.integers(0, 5))
-    def add(self, k, extra):
+    @rule(k=st.integers(0, len(PROMPTS) - 1), extra=st.integers(0, 5), ends=st.sets(st.integers(1, 9), max_size=3))
+    def add(self, k, extra, ends):
         if len(self.waiting) + len(self.running) < 4:
             self.n += 1
-            self.waiting.append(req_of(f"r{self.n}", PROMPTS[k] + list(range(extra))))
+            r = req_of(f"r{self.n}", PROMPTS[k] + list(range(extra)))
+            r.boundaries = tuple(sorted(ends))   # message ends: kept windows
+            self.waiting.append(r)
 
     @rule(chunk=st.integers(1, 12))
     def admit(self, chunk):
@@ -174,6 +176,8 @@ class PagesMachine(RuleBasedStateMachine):
 
     def _advance(self, r, n):
         r.num_computed += n
+        if r.num_computed < r.seq_len and not r.output_ids and self.hc is not None:
+            self.kv.commit(r, keep_end=False)   # a prompt's chunk (Engine.step)
         if r.num_computed == r.seq_len:
             r.output_ids.append(11)
             if len(r.output_ids) == 1:

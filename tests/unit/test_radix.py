@@ -556,8 +556,8 @@ class TreeMachine(RuleBasedStateMachine):
         return nodes[i % len(nodes)] if nodes else None
 
     # -- rules
-    @rule(tokens=token_seqs, lazy=st.booleans(), fused=st.booleans())
-    def start(self, tokens, lazy=False, fused=False):
+    @rule(tokens=token_seqs, lazy=st.booleans(), fused=st.booleans(), interior=st.booleans())
+    def start(self, tokens, lazy=False, fused=False, interior=False):
         t = self.tree
         keys = t.sequence_keys(tokens) if lazy else t.page_keys(tokens)
         m = self.checked_match(keys, lock=fused)   # fused: match_prefix takes both locks itself
@@ -569,7 +569,8 @@ class TreeMachine(RuleBasedStateMachine):
             t.lock(m.node, SWA)
         n, own = len(keys), {key: [] for key in POOL}
         full = self.alloc_pages(FULL, L1, n - m.full_l1)
-        window = range(max(0, n - W), n)
+        # interior: the sliding KV of every page the request computes, not only its last window
+        window = range(min(m.num_pages, max(0, n - W)) if interior else max(0, n - W), n)
         swa = [None] * n
         need = [i for i in window if not (i < m.num_pages and m.l1_swa[i] is not None)]
         swa_own = self.alloc_pages(SWA, L1, len(need)) if full is not None else None
@@ -598,7 +599,7 @@ class TreeMachine(RuleBasedStateMachine):
             for c in COMPONENTS:
                 if write_through and n.l2[c] is None and n.has_any(c):
                     pages = self.alloc_pages(c, L2, n.num_pages)
-                    if pages is None or n.removed:
+                    if pages is None or n.removed or len(pages) != n.num_pages or n.l2[c] is not None:
                         self.alloc[(c, L2)].free(pages or [])
                         return
                     self.tree.set_l2(n, c, pages)
@@ -623,7 +624,9 @@ class TreeMachine(RuleBasedStateMachine):
 
     def finish_request(self, rid: int) -> Request:
         r = self.reqs.pop(rid)
-        res = self.tree.insert(r.keys, r.full, r.swa, now=self.tick())
+        # kept windows: the end (or not, as a prompt's chunk), a checkpoint halfway, a message end
+        res = self.tree.insert(r.keys, r.full, r.swa, now=self.tick(), keep_end=rid % 3 != 0,
+                               checkpoints=[len(r.keys) // 2], boundaries=[len(r.keys) // 3])
         assert set(res.free_full) <= set(r.own[FULL, L1]) and set(res.free_swa) <= set(r.own[SWA, L1])
         self.alloc[(FULL, L1)].free(res.free_full)
         self.alloc[(SWA, L1)].free(res.free_swa)
@@ -688,7 +691,8 @@ class TreeMachine(RuleBasedStateMachine):
         node = self.pick(i, lambda n: n.l2[c] is None)
         if node is not None:
             pages = self.alloc_pages(c, L2, node.num_pages)
-            if pages is not None and not node.removed:
+            # the eviction that made room may have removed the node or joined it with a neighbour
+            if pages is not None and not node.removed and len(pages) == node.num_pages and node.l2[c] is None:
                 self.tree.set_l2(node, c, pages)
             elif pages is not None:
                 self.alloc[(c, L2)].free(pages)
