@@ -172,7 +172,7 @@ def corrupt_l3(ctx: Ctx) -> Healed:
     with ctx.load.paused():   # flush needs idle workers: afterwards only L3 holds the prefix
         # Mooncake: this prompt's pages and every page the router counts (the soak's conversations).
         n = corrupt_mooncake(sorted(set(keys) | set(_router_l3_keys(ctx)))) if mooncake else corrupt_files(ctx.l3_dir)
-        _flush(ctx.url)
+        _flush_l1_l2(ctx)   # not /flush_cache: it would delete the corrupted pages too
     turn2 = hist + [7] * 40
     r = httpx.post(f"{ctx.url}/generate", json={**body, "input_ids": turn2}, timeout=120).json()
     want = ctx.reference.generate([turn2], SamplingParams(max_new_tokens=4, temperature=0.0, return_logits=True))[0]
@@ -233,11 +233,25 @@ def _count_files(root: str) -> int:
     return sum(len(f) for _, _, f in os.walk(os.path.join(root, "v1")))
 
 
-def _flush(url: str, timeout: float = 60.0) -> None:
+def _flush_l1_l2(ctx, timeout: float = 60.0) -> None:
+    """Empty every worker's L1 and L2 (and its tree) but keep the shared L3 store, which /flush_cache
+    clears too: the next request finds its prefix only in L3. The same two phases as /flush_cache
+    (actors/flush.py): every worker holds admissions while idle, then each flushes."""
+    import ray
+    workers = list(ctx.handles["workers"].values())
     deadline = time.monotonic() + timeout
-    while httpx.post(f"{url}/flush_cache", timeout=60).status_code != 200:
-        assert time.monotonic() < deadline, "flush_cache kept answering 409"
+    while True:
+        holds = ray.get([w.flush_hold.remote(30.0) for w in workers], timeout=60)
+        if all(h is None for h in holds):
+            break
+        ray.get([w.flush_release.remote() for w in workers], timeout=60)
+        assert time.monotonic() < deadline, f"workers stayed busy: {holds}"
         time.sleep(0.2)
+    try:
+        res = ray.get([w.flush_cache.remote(False) for w in workers], timeout=60)
+        assert all(r["flushed"] for r in res), res
+    finally:
+        ray.get([w.flush_release.remote() for w in workers], timeout=60)
 
 
 def corrupt_files(root: str) -> int:
@@ -291,7 +305,8 @@ def _preferred_segments(ctx: Ctx) -> dict[str, str]:
 
 def l3_serves(ctx: Ctx, tag: str, timeout: float = 60.0) -> dict:
     """L3 works again: a fresh prompt's pages reach L3 (written through), and once L1 and L2 are flushed
-    its next turn is served partly from L3 with the right tokens. Returns the L3 tokens and the time."""
+    (the L3 store kept) its next turn is served partly from L3 with the right tokens. Returns the L3
+    tokens and the time."""
     import random
 
     from engine import SamplingParams
@@ -305,7 +320,7 @@ def l3_serves(ctx: Ctx, tag: str, timeout: float = 60.0) -> dict:
         turn = turn + [9] * 24   # the next turn: its prefix is the last one, whose pages L3 should have
         want = ctx.reference.generate([turn], SamplingParams(max_new_tokens=4, temperature=0.0, return_logits=True))[0]
         with ctx.load.paused():
-            _flush(ctx.url)
+            _flush_l1_l2(ctx)
             r = httpx.post(f"{ctx.url}/generate", json={"input_ids": turn, "sampling_params": sp}, timeout=120)
         r.raise_for_status()
         numerics.assert_same_output(r.json()["output_ids"], want, ctx.reference.model_config, f"{tag}: from L3")
