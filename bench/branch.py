@@ -19,8 +19,9 @@ Ideal hit: for each request, the whole pages (at most ``(len - 1) // 16``) of it
 with a sequence an earlier request left (prompt + answer), as a cache with unbounded memory serves it.
 Each workload runs with the default pools and with an SWA pool smaller than its working set. The router's
 prediction (actors/routing.PrefixIndex fed the tree's KV events) is compared with the delivered hit on
-every request. SGLang's UnifiedRadixCache row needs its side venv (bench/tree_sglang.py) and is not run
-here. Writes bench/results/branch.json.
+every request. Writes bench/results/branch.json, and the requests (prompt + answer tokens) to
+bench/results/branch_requests.json, which bench/branch_sglang.py replays through SGLang's
+UnifiedRadixCache (its side venv, bench/tree_sglang.py) for the SGLang row.
 
     .venv/bin/python -m bench.branch [--quick]
 """
@@ -92,7 +93,7 @@ def serve(eng: Engine, gen, max_new: int = 16) -> dict:
     ideal, index = Ideal(), PrefixIndex()
     sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
     hits = ideal_hits = prompt_tokens = 0
-    ttft, mispredicted, swa_peak = [], 0, 0
+    ttft, mispredicted, swa_peak, requests = [], 0, 0, []
     wp = eng.geometry.window_pages
     prompt = next(gen, None)
     while prompt is not None:
@@ -109,6 +110,7 @@ def serve(eng: Engine, gen, max_new: int = 16) -> dict:
         out = eng.pop_finished(rid)
         mispredicted += predicted != out.cached_tokens
         hits += out.cached_tokens
+        requests.append({"prompt_len": len(prompt), "tokens": prompt + out.token_ids, "ideal": ideal.hit(prompt)})
         ideal_hits += ideal.hit(prompt)
         prompt_tokens += len(prompt)
         ideal.add(prompt + out.token_ids)
@@ -122,7 +124,8 @@ def serve(eng: Engine, gen, max_new: int = 16) -> dict:
     return {"hit_rate": hits / prompt_tokens, "ideal_hit_rate": ideal_hits / prompt_tokens,
             "of_ideal": hits / ideal_hits if ideal_hits else 1.0, "ttft_p50_ms": 1e3 * ttft[len(ttft) // 2],
             "swa_pages_peak": swa_peak, "swa_pages_kept_end": kept,
-            "swa_pool": eng.pools.swa.num_pages, "mispredicted": mispredicted, "requests": len(ttft)}
+            "swa_pool": eng.pools.swa.num_pages, "mispredicted": mispredicted, "requests": len(ttft),
+            "_sequences": requests}
 
 
 def run_gsp(eng: Engine, quick: bool) -> dict:
@@ -149,7 +152,7 @@ def main() -> None:
     args = ap.parse_args()
     # The small SWA pool: 0.3x the sliding pages the SWA-oblivious row holds at its peak on the same
     # workload (so below the working set): what the retention keeps when it may hold no more than that.
-    results = []
+    results, sequences = [], {}
     for wl, fn in (("gsp", run_gsp), ("fork", run_fork)):
         small = None
         for pool in ("default", "small"):
@@ -159,6 +162,11 @@ def main() -> None:
                 eng = _engine(row, small if pool == "small" else None)
                 r = {"workload": wl, "pools": pool, "row": row, **fn(eng, args.quick)}
                 eng.close()
+                seqs = r.pop("_sequences")
+                if row == "strata" and pool == "default":
+                    sequences[wl] = {"requests": seqs, "swa_pools": {"default": r["swa_pool"]}}
+                if row == "strata" and pool == "small":
+                    sequences[wl]["swa_pools"]["small"] = r["swa_pool"]
                 results.append(r)
                 if row == "swa-oblivious":
                     small = max(eng.geometry.swa_pages_bound + 1, int(0.3 * r["swa_pages_peak"]))
@@ -171,6 +179,8 @@ def main() -> None:
         r["swa_peak_vs_oblivious"] = r["swa_pages_peak"] / obl[r["workload"]] if obl.get(r["workload"]) else None
     out = Path(__file__).parent / "results" / "branch.json"
     out.write_text(json.dumps({"quick": args.quick, "rows": results}, indent=1))
+    # The same requests (prompt + answer tokens), for SGLang's tree on the same instance (bench/branch_sglang.py)
+    (out.parent / "branch_requests.json").write_text(json.dumps({"quick": args.quick, "workloads": sequences}))
     print(f"wrote {out}")
 
 

@@ -212,3 +212,25 @@ def test_a_branch_point_found_only_in_l2_loads_its_window_and_full_pages(referen
         numerics.assert_same_output(out, reference.generate([prompt], SP)[0], eng.model_config, name)
     eng.check_integrity()
     eng.close()
+
+
+@pytest.mark.numerics
+def test_a_branch_point_found_only_in_l3_loads_its_window_and_full_pages(reference, tmp_path):
+    """L3 holds the same kept windows as L2: with L1 and L2 emptied, B and D are prefetched from L3 up to
+    their last checkpoint, tokens as without cache."""
+    from storage.config import HiCacheConfig
+    from storage.l3.config import L3Config
+    hc = HiCacheConfig(host_pages=2048, write_policy="write_through",
+                       l3=L3Config(backend="file", path=str(tmp_path), prefetch_policy="wait_complete"))
+    eng = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=2048, enable_prefix_cache=True, hicache=hc)
+    g = torch.Generator().manual_seed(35)
+    p = _rand(600, g)
+    _run(eng, p + _rand(20, g))
+    for name, prompt, want in (("B", p + _rand(20, g), 512), ("D", p[:300] + _rand(20, g), 256)):
+        eng.cache.poll(block=True)
+        eng.flush_cache()                      # L1, L2 and the tree: only the L3 store keeps the pages
+        out = _run(eng, prompt)
+        assert out.cached_tokens == want and out.cached_tokens_by_tier["L3"] == want, (name, out.cached_tokens_by_tier)
+        numerics.assert_same_output(out, reference.generate([prompt], SP)[0], eng.model_config, name)
+    eng.check_integrity()
+    eng.close()
