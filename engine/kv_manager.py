@@ -161,11 +161,14 @@ class KVManager:
                 return None
             stay: list[int] = []
             written: list[int] = []   # interior pages this chunk writes
-            if interior or (self.page_aligned and self.retain_interior):
+            # Prompt chunks only: decode frees what slides out of the window, as before (a running request
+            # holds at most swa_pages_bound pages between steps).
+            prefill = s < len(req.prompt_ids) and self.page_aligned and self.retain_interior
+            if interior or prefill:
                 missing = [a for a in interior if a >= len(t.swa) or t.swa[a] is None]
                 # Whole pages of its own the request may keep as interior instead of reusing them.
                 cands = [a for a in owned_below if a * ps >= t.swa_valid_from or a in t.whole_below] \
-                    if self.retain_interior else []
+                    if prefill else []
                 order = self._interior_order(req, missing, cands)
                 room = self.swa.num_free - len(window) + len(owned_below)
                 if len(order) > room and self.cache is not None:

@@ -234,3 +234,20 @@ def test_a_branch_point_found_only_in_l3_loads_its_window_and_full_pages(referen
         numerics.assert_same_output(out, reference.generate([prompt], SP)[0], eng.model_config, name)
     eng.check_integrity()
     eng.close()
+
+
+def test_decode_still_frees_what_slides_out_of_the_window():
+    """Only prompt chunks keep interior pages: a long decode holds no more than swa_pages_bound SWA pages
+    of its own between steps, and none as interior."""
+    eng = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=1024, enable_prefix_cache=True)
+    g = torch.Generator().manual_seed(36)
+    rid = eng.add_request(_rand(100, g), SamplingParams(max_new_tokens=200, ignore_eos=True))
+    bound, steps = eng.geometry.swa_pages_bound, 0
+    while eng.has_unfinished():
+        eng.step()
+        req = eng.requests[rid]
+        if req.output_ids and eng.kv.holds(req):
+            steps += 1
+            assert not req.pages.interior and len(req.pages.owned_swa()) <= bound, (len(req.output_ids), req.pages)
+    assert steps > 150
+    eng.close()
