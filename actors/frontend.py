@@ -14,6 +14,7 @@ from typing import AsyncIterator, Protocol
 from fastapi import HTTPException
 
 from actors.metrics import Metrics
+from actors.served import Served, ServedStream
 from engine.async_engine import StreamItem
 from engine.sampling import SamplingParams
 
@@ -38,7 +39,9 @@ class Backend(Protocol):
     sampling_defaults: dict   # the checkpoint's generation_config.json defaults (engine/model/loader.py)
 
     def stream(self, ids: list[int], params: SamplingParams, avoid: tuple[str, ...] = (),
-               pin: dict | None = None) -> AsyncIterator[StreamItem]: ...
+               pin: Served | None = None) -> ServedStream:
+        """The request's items, and (from its first item on) which workers serve it. ``avoid``: workers
+        that just failed it; ``pin``: serve it where an earlier sample of the prompt was served."""
     async def health(self) -> dict: ...
     async def flush_cache(self) -> dict: ...   # {"flushed": bool, ...} (actors/flush.py)
     async def gauges(self) -> dict: ...
@@ -93,6 +96,7 @@ class Sample:
     logprobs: list = field(default_factory=list)
     prompt_logprobs: list | None = None
     last: StreamItem | None = None
+    served: Served | None = None   # which workers serve it, known from its first item on
     sent: str = ""
 
     def feed(self, item: StreamItem) -> None:
@@ -196,9 +200,9 @@ class Frontend:
             raise bad(field, str(e)) from None
 
     # ---- serving ----------------------------------------------------------------------------------
-    async def run(self, ids: list[int], params: SamplingParams, avoid: tuple[str, ...] = (),
-                  pin: dict | None = None) -> AsyncIterator[StreamItem]:
-        """Admission control, metrics and error mapping around the backend's stream."""
+    async def run(self, s: Sample, avoid: tuple[str, ...] = (), pin: Served | None = None) -> AsyncIterator[StreamItem]:
+        """Admission control, metrics and error mapping around the backend's stream of sample ``s``;
+        which workers serve it is kept on ``s`` (``s.served``) once its first item arrived."""
         if self.draining:
             raise HTTPException(503, "shutting down: this server takes no new requests")
         if self.inflight >= self.max_inflight:
@@ -208,7 +212,9 @@ class Frontend:
         t0 = time.perf_counter()
         first = last = None
         try:
-            async for item in self.backend.stream(ids, params, avoid, pin):
+            items = self.backend.stream(s.prompt_ids, s.params, avoid, pin)
+            async for item in items:
+                s.served = items.served
                 now = time.perf_counter()
                 if item.error:
                     m.inc("strata_request_errors_total")
@@ -249,14 +255,14 @@ class Frontend:
         except (MemoryError, ServiceUnavailable) as e:
             raise HTTPException(503, str(e)) from None
 
-    async def collect(self, sample: Sample, pin: dict | None = None) -> Sample:
+    async def collect(self, sample: Sample, pin: Served | None = None) -> Sample:
         """A whole (non-streamed) completion. Nothing was sent yet, so a request whose worker died is
         retried once, routed away from the workers that failed."""
         avoid: tuple[str, ...] = ()
         for attempt in range(2):
-            s = replace(sample, token_ids=[], logprobs=[], prompt_logprobs=None, last=None)
+            s = replace(sample, token_ids=[], logprobs=[], prompt_logprobs=None, last=None, served=None)
             try:
-                gen = self.run(s.prompt_ids, s.params, avoid, pin)
+                gen = self.run(s, avoid, pin)
                 item = await self.first_or_error(gen, retryable=True)
                 while item is not None:
                     s.feed(item)
@@ -273,14 +279,15 @@ class Frontend:
                 raise HTTPException(503, f"request failed: {e}") from None
         raise AssertionError("unreachable")
 
-    async def warm(self, ids: list[int], n: int) -> tuple[dict | None, StreamItem | None]:
+    async def warm(self, ids: list[int], n: int) -> tuple[Served | None, StreamItem | None]:
         """Before n > 1 samples of one prompt: prefill it once (one token, greedy), so that the samples,
         sent to the same workers, share its KV through the prefix cache instead of n prefills. Returns
-        the route and the warm-up's final item (its cache hit is the request's)."""
+        the workers that served it (the samples' pin) and the warm-up's final item (its cache hit is the
+        request's)."""
         if n <= 1:
             return None, None
         s = await self.collect(Sample(0, ids, SamplingParams(max_new_tokens=1, ignore_eos=True)))
-        return (s.last.route or None), s.last
+        return s.served, s.last
 
     def samples(self, ids: list[int], params: SamplingParams, n: int, first_index: int = 0) -> list[Sample]:
         """n samples of one prompt; a seeded request's samples get seeds seed, seed+1, ... (each one
@@ -291,13 +298,13 @@ class Frontend:
             out.append(Sample(first_index + i, ids, p))
         return out
 
-    async def collect_all(self, samples: list[Sample], pins: list[dict | None]) -> list[Sample]:
+    async def collect_all(self, samples: list[Sample], pins: list[Served | None]) -> list[Sample]:
         return list(await asyncio.gather(*(self.collect(s, p) for s, p in zip(samples, pins))))
 
-    async def start_streams(self, samples: list[Sample], pins: list[dict | None]) -> list:
+    async def start_streams(self, samples: list[Sample], pins: list[Served | None]) -> list:
         """Open every sample's stream and wait for its first item (errors before anything is sent are
         HTTP errors). Returns [(sample, generator, first item)]."""
-        gens = [self.run(s.prompt_ids, s.params, (), p) for s, p in zip(samples, pins)]
+        gens = [self.run(s, (), p) for s, p in zip(samples, pins)]
         try:
             firsts = await asyncio.gather(*(self.first_or_error(g) for g in gens))
         except BaseException:

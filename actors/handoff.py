@@ -13,11 +13,21 @@ implements that protocol with the actors' ``.remote`` calls, their timeouts and 
 """
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, NamedTuple, Protocol
+from typing import TYPE_CHECKING, AsyncIterator, NamedTuple, Protocol, TypeAlias
 
 from engine.async_engine import StreamItem
 from engine.sampling import SamplingParams
 from storage.transfer import Destination
+from storage.transfer.base import Receipt
+
+if TYPE_CHECKING:   # only named in a type: the handoff itself runs without Ray
+    from ray import ObjectRef
+
+# What the prefill worker's send answered, as the decode worker is handed it: over Ray, the reference to
+# the prefill task's second return (``ObjectRef[Receipt | None]``, passed on unread: for ray_object it
+# holds the packed KV, which the decode worker reads from the object store itself); in process, the
+# ``Receipt`` itself. None (or a reference to None): nothing was sent.
+ReceiptRef: TypeAlias = "ObjectRef[Receipt | None] | Receipt | None"
 
 
 class Reservation(NamedTuple):
@@ -34,10 +44,10 @@ class Workers(Protocol):
     async def reserve(self, decode: str, prompt_len: int, prefill: str) -> Destination: ...
 
     async def prefill_to(self, prefill: str, ids: list[int], params: SamplingParams, res: Reservation
-                         ) -> tuple[StreamItem, Any]:
-        """(first token's StreamItem, the Receipt -- or an opaque reference to it, passed on as is)."""
+                         ) -> tuple[StreamItem, ReceiptRef]:
+        """(first token's StreamItem, the Receipt or a reference to it, passed on as is)."""
 
-    def decode_leased(self, decode: str, ids: list[int], lease_id: str, receipt: Any,
+    def decode_leased(self, decode: str, ids: list[int], lease_id: str, receipt: ReceiptRef,
                       params: SamplingParams) -> AsyncIterator[StreamItem]: ...
 
     def cancel(self, decode: str, lease_id: str) -> None:
@@ -51,23 +61,18 @@ class KVHandoff:
         self.workers = workers
 
     async def run(self, ids: list[int], params: SamplingParams, prefill: str,
-                  decode: str | None, predicted: int | None = None) -> AsyncIterator[StreamItem]:
+                  decode: str | None) -> AsyncIterator[StreamItem]:
         """Stream one request's items: through ``prefill`` alone (colocated) or handed off to ``decode``.
-        Each item carries its route (with the router's ``predicted`` cached tokens when it chose it);
-        the last carries the prefill side's cached-token counts."""
-        route = {"prefill": prefill, "decode": decode}
-        if predicted is not None:
-            route["predicted_cached_tokens"] = predicted
+        The last carries the prefill side's cached-token counts. (Which workers served it is the caller's
+        choice, known before: it travels beside the items, actors/served.py.)"""
         if decode is None:
             async for item in self.workers.generate(prefill, ids, params):
-                item.route = route
                 yield item
             return
         res = Reservation(decode, await self.workers.reserve(decode, len(ids), prefill))
         committed = False
         try:
             first, receipt = await self.workers.prefill_to(prefill, ids, params, res)
-            first.route = route
             if first.finished and first.finish_reason != "prefill":   # done at its first token
                 yield first
                 return
@@ -78,7 +83,6 @@ class KVHandoff:
                 committed = True
                 if item.finished:
                     item.cached_tokens, item.cached_tokens_by_tier = cached, by_tier
-                item.route = route
                 yield item
         finally:
             if not committed:

@@ -5,17 +5,20 @@ Ray object store by default, NIXL or Mooncake), and tokens stream back."""
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncGenerator, AsyncIterator, Union
 
 import ray
 from ray import serve
+from ray.actor import ActorHandle
 
 from actors.frontend import ServiceUnavailable, WorkerFailed
 from actors.flush import flush_cluster
-from actors.handoff import KVHandoff, Reservation
+from actors.handoff import KVHandoff, ReceiptRef, Reservation
 from actors.http_api import build_app
+from actors.prefix_router import Route
 from actors.routing import NoWorkerError, prompt_keys
 from actors.metrics import Metrics
+from actors.served import Served, ServedStream
 from engine.async_engine import StreamItem
 from engine.model.loader import sampling_defaults
 from engine.model.tokenizer import TextTokenizer
@@ -27,7 +30,7 @@ if TYPE_CHECKING:
 
 
 class RayBackend:
-    def __init__(self, router, workers: dict, model_name: str, model_path: str, vocab_size: int,
+    def __init__(self, router: ActorHandle, workers: dict[str, ActorHandle], model_name: str, model_path: str, vocab_size: int,
                  max_context: int, request_timeout: float, settings: ClusterConfig | None = None) -> None:
         self.router, self.workers = router, workers
         self.model_name, self.vocab_size, self.max_context = model_name, vocab_size, max_context
@@ -42,42 +45,47 @@ class RayBackend:
         hc = settings.engine.hicache if settings is not None else None
         self.l3_backend = hc.l3.backend if hc is not None and hc.l3 is not None else None   # cache reports
 
-    async def stream(self, ids: list[int], params: SamplingParams, avoid: tuple[str, ...] = (),
-                     pin: dict | None = None) -> AsyncIterator[StreamItem]:
-        """``pin``: the route of an earlier request (the same prompt's other samples go where its KV
+    def stream(self, ids: list[int], params: SamplingParams, avoid: tuple[str, ...] = (),
+               pin: Served | None = None) -> ServedStream:
+        """``pin``: the workers of an earlier request (the same prompt's other samples go where its KV
         is); a pinned worker that is gone is routed around."""
+        return ServedStream(self._serve(ids, params, avoid, pin))
+
+    async def _serve(self, ids: list[int], params: SamplingParams, avoid: tuple[str, ...],
+                     pin: Served | None) -> AsyncGenerator[Union[Served, StreamItem], None]:
+        """The chosen ``Served`` first, then the request's items."""
         try:
             if self.router_cfg is None:
                 self.router_cfg, self.geometry = await self.router.config.remote(), await self.router.geometry.remote()
             # hashed here: ingress replicas scale, the router doesn't
             keys = prompt_keys(ids, self.geometry, self.router_cfg)
-            if pin and pin.get("prefill") in self.workers and pin.get("decode") in (None, *self.workers) \
-                    and not {pin.get("prefill"), pin.get("decode")} & set(avoid):
-                choice = {"prefill": pin["prefill"], "decode": pin.get("decode"), "predicted": None}
+            if pin is not None and pin.prefill in self.workers and pin.decode in (None, *self.workers) \
+                    and not {pin.prefill, pin.decode} & set(avoid):
+                served = Served(pin.prefill, pin.decode)   # not predicted: the router was not asked
             else:
                 r = await self._route(keys, len(ids), avoid)
-                choice = {"prefill": r.prefill, "decode": r.decode,
-                          "predicted": r.cached_pages * self.geometry.page_size}
-            for w in (choice["prefill"], choice["decode"]):
+                served = Served(r.prefill, r.decode, r.cached_pages * self.geometry.page_size)
+            for w in (served.prefill, served.decode):
                 if w is not None and w not in self.workers:   # scaled out since this replica started
                     self.workers[w] = await asyncio.get_running_loop().run_in_executor(None, self._lookup, w)
         except ray.exceptions.RayError as e:
             raise ServiceUnavailable(f"no route: {str(e).splitlines()[-1][:200]}") from None
-        for w in {choice["prefill"], choice["decode"]} & set(avoid):
+        for w in {served.prefill, served.decode} & set(avoid):
             await self._wait_alive(w)  # the only such worker failed this request: let it restart first
+        yield served
         try:
-            async for item in self.handoff.run(ids, params, choice["prefill"], choice["decode"], choice["predicted"]):
+            async for item in self.handoff.run(ids, params, served.prefill, served.decode):
                 yield item
         except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
             raise WorkerFailed(str(e).splitlines()[0][:300],
-                               tuple(w for w in (choice["prefill"], choice["decode"]) if w)) from None
+                               tuple(w for w in (served.prefill, served.decode) if w)) from None
 
-    def _lookup(self, worker: str):
+    def _lookup(self, worker: str) -> ActorHandle:
         """The handle of a worker this replica has not seen (added by ``strata scale``), by its name."""
         ns = self.settings.ray.namespace if self.settings is not None else "strata"
         return ray.get_actor(f"strata-{worker}", namespace=ns)
 
-    async def _route(self, keys, n: int, avoid: tuple[str, ...], wait: float = 10.0):
+    async def _route(self, keys: list[bytes], n: int, avoid: tuple[str, ...], wait: float = 10.0) -> Route:
         """Ask the router; a router that has just restarted knows no worker until their next reports
         (every report interval), so "no prefill/decode worker" is retried for a few seconds rather than
         failing."""
@@ -111,7 +119,8 @@ class RayBackend:
         except asyncio.TimeoutError:
             raise ServiceUnavailable(f"decode worker {decode} did not reserve in time") from None
 
-    async def prefill_to(self, prefill: str, ids, params, res: Reservation):
+    async def prefill_to(self, prefill: str, ids: list[int], params: SamplingParams,
+                         res: Reservation) -> tuple[StreamItem, ReceiptRef]:
         # The receipt stays a reference: for ray_object the decode worker reads the packed KV from the
         # object store directly, never through this replica.
         first_ref, receipt_ref = self.workers[prefill].prefill_to.remote(ids, params, res.dest,
@@ -123,18 +132,19 @@ class RayBackend:
         except asyncio.TimeoutError:
             raise ServiceUnavailable(f"kv transfer to {res.decode} timed out") from None
 
-    async def decode_leased(self, decode: str, ids, lease_id: str, receipt, params):
+    async def decode_leased(self, decode: str, ids: list[int], lease_id: str, receipt: ReceiptRef,
+                            params: SamplingParams) -> AsyncIterator[StreamItem]:
         async for ref in self.workers[decode].decode_leased.remote(ids, lease_id, receipt, params):
             yield await self._item(ref)
 
     def cancel(self, decode: str, lease_id: str) -> None:
         self.workers[decode].cancel.remote(lease_id)
 
-    async def generate(self, worker: str, ids, params):
+    async def generate(self, worker: str, ids: list[int], params: SamplingParams) -> AsyncIterator[StreamItem]:
         async for ref in self.workers[worker].generate.remote(ids, params):
             yield await self._item(ref)
 
-    async def _item(self, ref) -> StreamItem:
+    async def _item(self, ref: ray.ObjectRef) -> StreamItem:
         try:
             return await asyncio.wait_for(ref, self.timeout)
         except ray.exceptions.RayTaskError as e:
@@ -312,8 +322,8 @@ def _unwrap(e: Exception) -> Exception:
 
 @serve.ingress()
 class Ingress:
-    def __init__(self, router, workers: dict, model_name: str, model_path: str, vocab_size: int,
-                 max_context: int, request_timeout: float = 120.0, max_inflight: int = 256,
+    def __init__(self, router: ActorHandle, workers: dict[str, ActorHandle], model_name: str, model_path: str,
+                 vocab_size: int, max_context: int, request_timeout: float = 120.0, max_inflight: int = 256,
                  settings: ClusterConfig | None = None) -> None:
         self.backend = RayBackend(router, workers, model_name, model_path, vocab_size, max_context,
                                   request_timeout, settings)

@@ -3,14 +3,16 @@ on a real engine in one process. The frontend's fast tests serve from it, and a 
 can (``build_app(LocalBackend.from_pretrained(...))``)."""
 from __future__ import annotations
 
-from typing import AsyncIterator
+from typing import AsyncGenerator, Union
 
+from actors.served import Served, ServedStream
 from engine.async_engine import AsyncEngine, StreamItem
 from engine.engine import Engine
 from engine.model.loader import sampling_defaults
 from engine.sampling import SamplingParams
 
 WORKER = "local"
+SERVED = Served(WORKER)   # one engine: it prefills and decodes, and nobody predicts its hits
 
 
 class LocalBackend:
@@ -30,10 +32,13 @@ class LocalBackend:
     def from_pretrained(cls, model: str = "strata-tiny", model_name: str | None = None, **kw) -> "LocalBackend":
         return cls(Engine.from_pretrained(model, **kw), model_name or model)
 
-    async def stream(self, ids: list[int], params: SamplingParams, avoid: tuple[str, ...] = (),
-                     pin: dict | None = None) -> AsyncIterator[StreamItem]:
+    def stream(self, ids: list[int], params: SamplingParams, avoid: tuple[str, ...] = (),
+               pin: Served | None = None) -> ServedStream:
+        return ServedStream(self._serve(ids, params))
+
+    async def _serve(self, ids: list[int], params: SamplingParams) -> AsyncGenerator[Union[Served, StreamItem], None]:
+        yield SERVED
         async for item in self.core.generate(ids, params):
-            item.route = {"prefill": WORKER, "decode": None}
             yield item
 
     async def health(self) -> dict:

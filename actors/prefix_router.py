@@ -16,10 +16,13 @@ from storage.geometry import KVGeometry
 
 
 class Route(NamedTuple):
+    """The router's choice for one prompt: its prefill worker, its decode worker (None: the prefill
+    worker is colocated and decodes too), and the prompt pages it expects cached there: in all, and by
+    the fastest tier holding each ("L1", "L2", "L3" -> pages)."""
     prefill: str
     decode: str | None
     cached_pages: int
-    by_tier: dict
+    by_tier: dict[str, int]
 
 
 class Router:

@@ -111,8 +111,8 @@ class SGLangAdapter:
             if s.last is not None:
                 meta["cached_tokens_by_tier"] = s.last.cached_tokens_by_tier
                 meta["cached_tokens_details"] = cached_tokens_details(s.last.cached_tokens_by_tier, l3)
-                if s.last.route:
-                    meta["route"] = s.last.route
+                if s.served is not None:
+                    meta["route"] = s.served.route_json()
             if body.return_logprob:
                 with_text = body.return_text_in_logprobs
                 meta["input_token_logprobs"] = lpf.sglang_input(

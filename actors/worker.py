@@ -13,8 +13,10 @@ import os
 import threading
 import time
 import uuid
+from typing import AsyncIterator
 
 import ray
+from ray.actor import ActorHandle
 
 from actors.ep_host import EPHost
 from engine import Engine, EngineConfig, SamplingParams
@@ -190,11 +192,14 @@ class WorkerActor:
         return await self.core.call(lambda e: e.leases.cancel(lease_id))
 
     @ray.method(num_returns=2)
-    async def prefill_to(self, ids: list[int], params: SamplingParams, dest: Destination, notify=None):
+    async def prefill_to(self, ids: list[int], params: SamplingParams, dest: Destination,
+                         notify: ActorHandle | None = None) -> tuple[StreamItem, Receipt | None]:
         """Prefill, then send the prompt's KV into ``dest`` (a decode worker's leased pages); returns
-        (StreamItem of the first token, receipt). For ray_object the receipt carries the packed payload,
-        which Ray puts in the object store as this task's second return (the backend's ray.put half).
-        ``notify``: the decode worker, told when the send is over so quarantined pages can go back."""
+        (StreamItem of the first token, receipt; None when nothing was sent: the first token ended it).
+        Two returns, two objects: for ray_object the receipt carries the packed payload, which Ray puts in
+        the object store as this task's second return (the backend's ray.put half), and the decode worker
+        reads it from there. ``notify``: the decode worker, told when the send is over so quarantined
+        pages can go back."""
         self.sends.begin(dest.lease_id, notify)
         in_flight = False
         try:
@@ -206,14 +211,12 @@ class WorkerActor:
             if not in_flight and self.sends.end(dest.lease_id) is not None and self.transfer.one_sided:
                 notify.transfer_ended.remote(dest.lease_id)
 
-    async def _prefill_send(self, ids, params, dest: Destination):
+    async def _prefill_send(self, ids: list[int], params: SamplingParams,
+                            dest: Destination) -> tuple[StreamItem, Receipt | None]:
         t0 = time.monotonic()
-        last = None
-        async for item in self.core.generate(ids, params, prefill_only=True):
-            last = item
-        payload, last.kv_payload = last.kv_payload, None
-        if payload is None or last.finish_reason != "prefill":   # done at its first token: nothing to send
-            return last, None
+        first, payload = await self.core.prefill(ids, params)
+        if payload is None or first.finish_reason != "prefill":   # done at its first token: nothing to send
+            return first, None
         if self.tcfg.debug_send_delay:
             await asyncio.sleep(self.tcfg.debug_send_delay)   # test-only: a stalled transfer
         budget = min(self.tcfg.transfer_timeout, dest.ttl) - (time.monotonic() - t0)
@@ -221,7 +224,7 @@ class WorkerActor:
             raise TransferError(f"transfer to {dest.worker_id}: the lease's time was used up before sending")
         # Off the event loop: a one-sided send blocks until its completion (bounded by the budget).
         rec = await asyncio.to_thread(self.transfer.send, payload, dest, budget)
-        return last, rec._replace(sender=self.worker_id)
+        return first, rec._replace(sender=self.worker_id)
 
     async def decode_leased(self, ids: list[int], lease_id: str, receipt: Receipt | None, params: SamplingParams):
         """Decode side: commit ``lease_id`` (its pages now hold the prompt's KV) and stream tokens."""
@@ -259,7 +262,7 @@ class WorkerActor:
                 "backend_stats": self.transfer.stats() if self.transfer is not None else {}}
 
     # ---- serving ---------------------------------------------------------------------------------
-    async def generate(self, ids: list[int], params: SamplingParams):
+    async def generate(self, ids: list[int], params: SamplingParams) -> AsyncIterator[StreamItem]:
         async for item in self.core.generate(ids, params):
             yield item
 

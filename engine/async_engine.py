@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, NamedTuple
 
 from engine.disagg import KVPayload
 from engine.engine import Engine
@@ -34,19 +34,32 @@ class StreamItem:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
-    kv_payload: KVPayload | None = None
     error: str | None = None
-    route: dict = field(default_factory=dict)    # which workers served it (set by the cluster)
     logprobs: list = field(default_factory=list)         # TokenLogprob per token of token_ids, if asked
     prompt_logprobs: list | None = None                  # prompt-token logprobs computed since the last item
     matched_stop: int | str | None = None                # on the last item: the stop id or string that ended it
+
+
+class PrefillResult(NamedTuple):
+    """What a prefill-only request leaves: its first token's (last) item, and the prompt's KV for a decode
+    engine (None when there is nothing to hand over: the first token ended the request, or it failed)."""
+    first: StreamItem
+    payload: KVPayload | None
+
+
+@dataclass
+class _Sink:
+    """Where the engine thread puts one request's items, for a reader on ``loop``."""
+    loop: asyncio.AbstractEventLoop
+    items: asyncio.Queue
+    payload: KVPayload | None = None   # a prefill-only request's export, set before its last item is put
 
 
 class AsyncEngine:
     def __init__(self, engine: Engine, name: str = "engine") -> None:
         self.engine = engine
         self._cmds: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, _Sink] = {}
         self._ids = itertools.count()
         self._stop = False
         self.last_step_time = time.monotonic()
@@ -123,19 +136,18 @@ class AsyncEngine:
             item.prompt_tokens = out.prompt_tokens
             item.cached_tokens = out.cached_tokens
             item.cached_tokens_by_tier = out.cached_tokens_by_tier
-            item.kv_payload = req.kv_payload
+            stream.payload = req.kv_payload
             item.matched_stop = out.matched_stop
             self._streams.pop(rid, None)
-        loop, q = stream
-        loop.call_soon_threadsafe(q.put_nowait, item)
+        stream.loop.call_soon_threadsafe(stream.items.put_nowait, item)
 
     def _fail_all(self, msg: str) -> None:
         for rid in list(self._streams):
             if rid in self.engine.requests:
                 self.engine.abort(rid)
                 self.engine.pop_finished(rid)
-            loop, q = self._streams.pop(rid)
-            loop.call_soon_threadsafe(q.put_nowait, StreamItem(rid, [], True, "error", error=msg))
+            sink = self._streams.pop(rid)
+            sink.loop.call_soon_threadsafe(sink.items.put_nowait, StreamItem(rid, [], True, "error", error=msg))
 
     def call(self, fn: Callable[[Engine], Any]) -> "asyncio.Future":
         """Run ``fn(engine)`` on the engine thread; the result (or exception) comes back as a future."""
@@ -166,14 +178,14 @@ class AsyncEngine:
         return fut.result(timeout)
 
     # ---- requests ------------------------------------------------------------------------------------
-    async def _stream(self, rid: str, submit: Callable[[Engine], None]) -> AsyncIterator[StreamItem]:
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
+    async def _stream(self, rid: str, submit: Callable[[Engine], None],
+                      sink: _Sink | None = None) -> AsyncIterator[StreamItem]:
+        sink = sink or _Sink(asyncio.get_running_loop(), asyncio.Queue())
 
         def add(eng: Engine) -> bool:
             if self.held():
                 return False
-            self._streams[rid] = (loop, q)
+            self._streams[rid] = sink
             try:
                 submit(eng)
             except BaseException:
@@ -187,7 +199,7 @@ class AsyncEngine:
         await self.call_admitted(add)
         try:
             while True:
-                item = await q.get()
+                item = await sink.items.get()
                 yield item
                 if item.finished:
                     return
@@ -204,10 +216,20 @@ class AsyncEngine:
     def new_rid(self, prefix: str = "r") -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    def generate(self, prompt, params: SamplingParams, rid: str | None = None,
-                 prefill_only: bool = False) -> AsyncIterator[StreamItem]:
+    def generate(self, prompt, params: SamplingParams, rid: str | None = None) -> AsyncIterator[StreamItem]:
         rid = rid or self.new_rid()
-        return self._stream(rid, lambda e: e.add_request(prompt, params, rid, prefill_only=prefill_only))
+        return self._stream(rid, lambda e: e.add_request(prompt, params, rid))
+
+    async def prefill(self, prompt, params: SamplingParams, rid: str | None = None) -> PrefillResult:
+        """Compute the prompt and its first token only, keeping the prompt's KV for a decode engine (a
+        P/D prefill worker's half of a request; finish_reason "prefill" unless the first token ends it)."""
+        rid = rid or self.new_rid()
+        # The sink is this call's own: a caller that leaves takes the payload with it, nothing is kept.
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
+        last = None
+        async for item in self._stream(rid, lambda e: e.add_request(prompt, params, rid, prefill_only=True), sink):
+            last = item   # the first token's item is the last: the one handed on
+        return PrefillResult(last, sink.payload)
 
     def decode_leased(self, prompt, lease_id: str, info, params: SamplingParams, now: float,
                       fill=None, rid: str | None = None) -> AsyncIterator[StreamItem]:

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.kv_manager import PageTable
 from engine.sampling import SamplingParams
+
+if TYPE_CHECKING:   # engine/disagg.py imports this module
+    from engine.disagg import KVPayload
 
 
 class Status(enum.Enum):
@@ -36,7 +39,7 @@ class Request:
     num_preemptions: int = 0
     logits: list[torch.Tensor] = field(default_factory=list)
     prefill_only: bool = False            # stop after the first token and export the prompt KV
-    kv_payload: Any = None                # the export of a prefill_only request
+    kv_payload: KVPayload | None = None   # the export of a prefill_only request (AsyncEngine.prefill's payload)
     generator: torch.Generator | None = None
     matcher: Any = None                   # engine/grammar.py Matcher of a structured-output request
     logprobs: list = field(default_factory=list)          # TokenLogprob per output token, if asked

@@ -143,6 +143,8 @@ def test_sglang_generate_schema(http):
         "max_new_tokens": 3, "n": 2, "temperature": 1.0}, "rid": ["a", "b"]}).json()
     assert [o["meta_info"]["id"] for o in r] == ["a-0", "a-1", "b-0", "b-1"]
     assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in r)
+    # One engine: it prefills and decodes, nobody predicted its hits (the answer leaves out nulls).
+    assert all(o["meta_info"]["route"] == {"prefill": "local"} for o in r)
     with http.stream("POST", "/generate", json={"text": "hello there", "stream": True, "return_logprob": True,
                                                 "logprob_start_len": 0, "top_logprobs_num": 2,
                                                 "return_text_in_logprobs": True,
@@ -150,6 +152,7 @@ def test_sglang_generate_schema(http):
         ev = _events(resp)
     for e in ev:
         assert {"id", "prompt_tokens", "completion_tokens", "cached_tokens"} <= set(e["meta_info"])
+        assert e["meta_info"]["route"] == {"prefill": "local", "decode": None}   # streamed chunks keep nulls
     last = ev[-1]["meta_info"]
     assert len(last["output_token_logprobs"]) == 4 and len(last["input_token_logprobs"]) == 11
     assert last["input_token_logprobs"][0][0] is None and last["input_token_logprobs"][1][2] == "e"

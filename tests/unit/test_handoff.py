@@ -1,6 +1,6 @@
 """The P/D handoff coordinator (actors/handoff.py) over an in-memory Workers protocol: the order of the
-calls, the route and cached counts on the items, and the lease cancelled on every path that does not
-commit it (prefill failure, an answer done at its first token, a client that leaves)."""
+calls, the cached counts on the items, and the lease cancelled on every path that does not commit it
+(prefill failure, an answer done at its first token, a client that leaves)."""
 import asyncio
 
 import pytest
@@ -9,6 +9,11 @@ from actors.handoff import KVHandoff
 from engine.async_engine import StreamItem
 from engine.sampling import SamplingParams
 from storage.transfer import Destination
+from storage.transfer.base import Receipt
+
+
+# In process the Receipt itself is handed on (over Ray, a reference to it): passed as is, never read.
+RECEIPT = Receipt(prompt_len=3, first_token=7, swa_first_page=0, swa_valid_from=0, sender="prefill-0")
 
 
 class Recorder:
@@ -24,7 +29,7 @@ class Recorder:
         if self.fail_prefill:
             raise RuntimeError("prefill died")
         return StreamItem("r", [7], finished=True, finish_reason=self.first_reason, cached_tokens=16,
-                          cached_tokens_by_tier={"L1": 16, "L2": 0, "L3": 0}), "receipt-ref"
+                          cached_tokens_by_tier={"L1": 16, "L2": 0, "L3": 0}), RECEIPT
 
     async def decode_leased(self, decode, ids, lease_id, receipt, params):
         self.calls.append(("decode_leased", decode, lease_id, receipt))
@@ -50,9 +55,9 @@ def test_a_handoff_reserves_sends_commits_and_never_cancels_a_committed_lease():
     w = Recorder()
     items = asyncio.run(_all(KVHandoff(w).run([1, 2, 3], SP, "prefill-0", "decode-0")))
     assert [c[0] for c in w.calls] == ["reserve", "prefill_to", "decode_leased"]
-    assert w.calls[2][3] == "receipt-ref" and [i.token_ids for i in items] == [[7], [8], [9], [10]]
+    assert w.calls[2][3] is RECEIPT and [i.token_ids for i in items] == [[7], [8], [9], [10]]
     assert not items[0].finished and items[-1].finished and items[-1].cached_tokens == 16
-    assert all(i.route == {"prefill": "prefill-0", "decode": "decode-0"} for i in items)
+    assert items[-1].cached_tokens_by_tier == {"L1": 16, "L2": 0, "L3": 0}
 
 
 @pytest.mark.parametrize("case", ["prefill fails", "done at first token", "client leaves"])
@@ -77,4 +82,4 @@ def test_every_path_that_does_not_commit_cancels_the_lease(case):
 def test_a_colocated_route_generates_on_one_worker():
     w = Recorder()
     items = asyncio.run(_all(KVHandoff(w).run([1], SP, "colocated-0", None)))
-    assert w.calls == [("generate", "colocated-0")] and items[0].route["decode"] is None
+    assert w.calls == [("generate", "colocated-0")] and [i.token_ids for i in items] == [[1]]
