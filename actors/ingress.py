@@ -5,7 +5,7 @@ Ray object store by default, NIXL or Mooncake), and tokens stream back."""
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, AsyncGenerator, AsyncIterator, Union
+from typing import TYPE_CHECKING, AsyncGenerator, AsyncIterator
 
 import ray
 from ray import serve
@@ -52,7 +52,7 @@ class RayBackend:
         return ServedStream(self._serve(ids, params, avoid, pin))
 
     async def _serve(self, ids: list[int], params: SamplingParams, avoid: tuple[str, ...],
-                     pin: Served | None) -> AsyncGenerator[Union[Served, StreamItem], None]:
+                     pin: Served | None) -> AsyncGenerator[Served | StreamItem, None]:
         """The chosen ``Served`` first, then the request's items."""
         try:
             if self.router_cfg is None:

@@ -3,7 +3,7 @@ on a real engine in one process. The frontend's fast tests serve from it, and a 
 can (``build_app(LocalBackend.from_pretrained(...))``)."""
 from __future__ import annotations
 
-from typing import AsyncGenerator, Union
+from typing import AsyncGenerator
 
 from actors.served import Served, ServedStream
 from engine.async_engine import AsyncEngine, StreamItem
@@ -36,7 +36,7 @@ class LocalBackend:
                pin: Served | None = None) -> ServedStream:
         return ServedStream(self._serve(ids, params))
 
-    async def _serve(self, ids: list[int], params: SamplingParams) -> AsyncGenerator[Union[Served, StreamItem], None]:
+    async def _serve(self, ids: list[int], params: SamplingParams) -> AsyncGenerator[Served | StreamItem, None]:
         yield SERVED
         async for item in self.core.generate(ids, params):
             yield item

@@ -8,7 +8,7 @@ SGLang's ``meta_info.route`` shows it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AsyncGenerator, Union
+from typing import AsyncGenerator
 
 from engine.async_engine import StreamItem
 
@@ -40,7 +40,7 @@ class ServedStream:
     Iterating yields only the items."""
     __slots__ = ("served", "_gen")
 
-    def __init__(self, gen: AsyncGenerator[Union[Served, StreamItem], None]) -> None:
+    def __init__(self, gen: AsyncGenerator[Served | StreamItem, None]) -> None:
         self._gen = gen
         self.served: Served | None = None
 
