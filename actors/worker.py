@@ -161,6 +161,9 @@ class WorkerActor:
         """Decode side: lease the pages a prompt of ``prompt_len`` tokens will occupy; where to send.
         ``sender``: the prefill worker's id, and ``sender_handle`` its actor, asked before quarantined
         pages are freed."""
+        if not isinstance(sender, str):
+            raise TypeError(f"reserve: sender is the prefill worker's id (its handle goes in sender_handle), "
+                            f"got {type(sender).__name__}")
         if sender_handle is not None:
             self.senders[sender] = sender_handle
         lease_id = f"{self.worker_id}/{uuid.uuid4().hex[:12]}"

@@ -20,7 +20,7 @@ from engine.runner import ModelRunner
 from engine.grammar import GrammarTokenizer
 from engine.sampler import sample, token_logprobs
 from engine.sampling import SamplingParams, TokenLogprob, make_generator
-from engine.stopping import catch_up_first_token, row_state, stop_reason
+from engine.stopping import row_state, stop_reason
 from engine.scheduler import Scheduler
 from engine.kv_manager import KVManager
 from engine.disagg import export_kv
