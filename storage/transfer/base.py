@@ -2,13 +2,16 @@
 
 The flow of one request (the actor shells drive it; nothing here imports ray):
 
-1. decode side ``reserve``: the engine allocates the pages the prompt's KV will occupy -- full pages for
-   the whole prompt, SWA pages for the last window only (``KVGeometry.plan_pages``, storage/geometry.py) -- and puts them under a
-   **lease** that expires ``lease_seconds`` later. The ``Destination`` it returns names those pages and,
-   for one-sided backends, how to reach them (agent metadata, registered base addresses).
-2. prefill side ``send``: computes the prompt, then moves its KV into exactly those pages. The prefill
-   side holds its own (staging) pages until the send completes, fails or times out, then frees them.
-3. decode side ``commit``: the lease ends and its pages become the request's; decode starts.
+1. decode side ``reserve`` (engine/pd.py): the engine allocates the pages the prompt's KV will occupy --
+   full pages for the whole prompt, SWA pages for the last window only (``KVGeometry.plan_pages``,
+   storage/geometry.py) -- and puts them under a **lease** (its ``LeaseInfo``) that expires
+   ``lease_seconds`` later. The ``Destination`` made of them names those pages and, for one-sided
+   backends, how to reach them (``PeerInfo``: agent metadata, registered pools).
+2. prefill side ``send``: computes the prompt, then moves its KV into exactly those pages (one-sided) or
+   packs it into the ``Receipt`` (ray_object). The prefill side holds its own (staging) pages until the
+   send completes, fails or times out, then frees them.
+3. decode side ``commit``: the lease ends, the backend's ``fill`` makes its pages hold the KV, and they
+   become the request's; decode starts.
 
 A lease that expires, a cancel (the prefill worker failed, the client left) or a dead peer frees the
 pages at once; a commit after that is a clean ``TransferError``, never stale tokens. Time is passed in
