@@ -112,8 +112,8 @@ class RayBackend:
     # ---- the handoff's Workers protocol (actors/handoff.py): the actors' calls, bounded, errors mapped ----
     async def reserve(self, decode: str, prompt_len: int, prefill: str) -> Destination:
         try:
-            return await asyncio.wait_for(self.workers[decode].reserve.remote(prompt_len, self.workers[prefill]),
-                                          self.timeout)
+            return await asyncio.wait_for(
+                self.workers[decode].reserve.remote(prompt_len, prefill, self.workers[prefill]), self.timeout)
         except ray.exceptions.RayTaskError as e:
             raise _unwrap(e) from None
         except asyncio.TimeoutError:

@@ -23,7 +23,6 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine, StreamItem
 from storage.transfer import Destination, TransferConfig, TransferError, make_backend
 from storage.transfer.base import Receipt
-from storage.transfer.ray_object import unpack
 from storage.transfer.sends import SendRecord
 
 log = logging.getLogger("strata.worker")
@@ -62,6 +61,7 @@ class WorkerActor:
         self.tcfg = transfer_cfg or TransferConfig()
         self.transfer = None
         self.sends = SendRecord()
+        self.senders: dict[str, object] = {}    # decode side: prefill worker id -> its actor handle
         if role != "colocated":
             self.transfer = make_backend(self.tcfg, role, self.core.engine.pools, f"strata-{worker_id}-{uuid.uuid4().hex[:8]}")
             self.transfer.on_send_ended = self._send_ended
@@ -102,41 +102,35 @@ class WorkerActor:
                 self._flush_ack = self._flush_ack or flushed
 
     def _lease_loop(self) -> None:
-        probed: dict[str, float] = {}
+        """Decode side: expire leases on the engine thread (engine/pd.py ``tick``), and ask the senders
+        of quarantined leases whether their send may still write."""
         while not self._stop.wait(self.tcfg.expiry_interval):
             try:
-                gone = self.core.call_blocking(lambda e: e.leases.expire(time.monotonic()))
-                for lease in gone:
-                    self.transfer.forget(lease.lease_id)
-                    log.warning("transfer lease %s expired%s", lease.lease_id,
+                sweep = self.core.call_blocking(lambda e: e.receiver.tick(time.monotonic()))
+                for lease_id in sweep.expired:
+                    self.transfer.forget(lease_id)
+                    log.warning("transfer lease %s expired%s", lease_id,
                                 ": its pages stay quarantined until its sender's send is over"
-                                if lease.lease_id in self.core.engine.leases.quarantine else ": its pages are free again")
-                self._probe_quarantine(probed)
+                                if lease_id in sweep.quarantined else ": its pages are free again")
+                for lease_id, sender in sweep.probe:
+                    self._probe(lease_id, sender)
             except Exception as e:  # noqa: BLE001 - keep sweeping
                 log.warning("lease sweep failed: %r", e)
 
-    def _probe_quarantine(self, probed: dict[str, float]) -> None:
-        """Ask the sender of each quarantined lease (at most once a second each) whether its send may
-        still write; a sender that says no, or is dead (a restart is a new process: the old one's
-        transfers died with it), frees the pages."""
-        q = self.core.call_blocking(lambda e: {k: l.meta.get("sender") for k, l in e.leases.quarantine.items()})
-        now = time.monotonic()
-        for lease_id in [k for k in probed if k not in q]:
-            del probed[lease_id]
-        for lease_id, sender in q.items():
-            if now - probed.get(lease_id, 0.0) < 1.0:
-                continue
-            probed[lease_id] = now
-            if sender is None:
-                continue     # nobody to ask: only the sender's own end notice frees it
-            try:
-                pending = ray.get(sender.send_pending.remote(lease_id), timeout=5)
-            except ray.exceptions.GetTimeoutError:
-                continue     # hung, not dead: keep the pages
-            except ray.exceptions.RayError:
-                pending = False
-            if not pending and self.core.call_blocking(lambda e: e.leases.release(lease_id)):
-                log.warning("quarantined lease %s released: its sender has no send in flight", lease_id)
+    def _probe(self, lease_id: str, sender: str) -> None:
+        """A sender that says its send into ``lease_id`` cannot write any more, or is dead (a restart is a
+        new process: the old one's transfers died with it), frees the quarantined pages."""
+        handle = self.senders.get(sender)
+        if handle is None:
+            return
+        try:
+            pending = ray.get(handle.send_pending.remote(lease_id), timeout=5)
+        except ray.exceptions.GetTimeoutError:
+            return       # hung, not dead: keep the pages
+        except ray.exceptions.RayError:
+            pending = False
+        if not pending and self.core.call_blocking(lambda e: e.receiver.release(lease_id)):
+            log.warning("quarantined lease %s released: its sender has no send in flight", lease_id)
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(0.2):
@@ -165,22 +159,25 @@ class WorkerActor:
                 store.prefer_segment(seg)
 
     # ---- prefill -> decode transfer (storage/transfer) -------------------------------------------
-    async def reserve(self, prompt_len: int, sender=None) -> Destination:
+    async def reserve(self, prompt_len: int, sender: str = "", sender_handle=None) -> Destination:
         """Decode side: lease the pages a prompt of ``prompt_len`` tokens will occupy; where to send.
-        ``sender``: the prefill worker's handle, asked before quarantined pages are freed."""
+        ``sender``: the prefill worker's id, and ``sender_handle`` its actor, asked before quarantined
+        pages are freed."""
+        if not isinstance(sender, str):
+            raise TypeError(f"reserve: sender is the prefill worker's id (its handle goes in sender_handle), "
+                            f"got {type(sender).__name__}")
+        if sender_handle is not None:
+            self.senders[sender] = sender_handle
         lease_id = f"{self.worker_id}/{uuid.uuid4().hex[:12]}"
-        now, ttl = time.monotonic(), self.tcfg.lease_seconds
-        meta = {"one_sided": self.transfer.one_sided, "sender": sender}
+        now, ttl, one_sided = time.monotonic(), self.tcfg.lease_seconds, self.transfer.one_sided
         # Admitted like a request (a flush's hold makes it wait): a lease is the start of one.
-        lease = await self.core.call_admitted(
-            lambda e: False if self.core.held() else e.reserve_kv(lease_id, prompt_len, now, ttl, meta))
-        return Destination(lease_id, self.tcfg.backend, prompt_len, self.core.engine.cfg.page_size,
-                           lease.pages["full"], lease.pages["swa"], lease.meta["swa_first_page"], ttl,
-                           self.worker_id, self.transfer.peer_info())
+        pages = await self.core.call_admitted(
+            lambda e: False if self.core.held() else e.reserve_kv(lease_id, prompt_len, now, ttl, one_sided, sender))
+        return Destination.of(pages, self.transfer, self.core.engine.cfg.page_size, ttl, self.worker_id)
 
     async def transfer_ended(self, lease_id: str) -> bool:
         """Decode side: the sender's send into ``lease_id`` is over; quarantined pages are freed."""
-        return await self.core.call(lambda e: e.leases.send_ended(lease_id))
+        return await self.core.call(lambda e: e.receiver.send_ended(lease_id))
 
     async def send_pending(self, lease_id: str) -> bool:
         """Prefill side: whether a send into ``lease_id`` may still write (if not, it never will)."""
@@ -189,7 +186,7 @@ class WorkerActor:
     async def cancel(self, lease_id: str) -> bool:
         """Decode side: free a lease's pages now (the prefill side failed or the client left)."""
         self.transfer.forget(lease_id)
-        return await self.core.call(lambda e: e.leases.cancel(lease_id))
+        return await self.core.call(lambda e: e.receiver.cancel(lease_id))
 
     @ray.method(num_returns=2)
     async def prefill_to(self, ids: list[int], params: SamplingParams, dest: Destination,
@@ -227,22 +224,16 @@ class WorkerActor:
         return first, rec._replace(sender=self.worker_id)
 
     async def decode_leased(self, ids: list[int], lease_id: str, receipt: Receipt | None, params: SamplingParams):
-        """Decode side: commit ``lease_id`` (its pages now hold the prompt's KV) and stream tokens."""
-        if receipt is None:
-            await self.cancel(lease_id)
-            raise TransferError(f"lease {lease_id}: nothing was sent")
-        packed, receipt = receipt.packed, receipt._replace(packed=None)
-        fill = None
-        if packed is not None:
-            def fill(pools, lease):
-                unpack(packed, lease.pages["full"], lease.pages["swa"], lease.meta["swa_first_page"], pools)
-        else:   # one-sided: the data is in place once the sender's completion notice arrived
+        """Decode side: admit the request over ``lease_id``'s pages, which the backend fills from
+        ``receipt`` (engine/pd.py), and stream tokens. A one-sided send's data is in place once its
+        arrival is known: waited for here, off the engine thread."""
+        if receipt is not None and self.transfer.one_sided:
             try:
                 await asyncio.to_thread(self.transfer.wait_arrival, lease_id, self.tcfg.transfer_timeout)
             except TransferError:
                 await self.cancel(lease_id)
                 raise
-        async for item in self.core.decode_leased(ids, lease_id, receipt, params, time.monotonic(), fill):
+        async for item in self.core.decode_leased(ids, lease_id, receipt, params, time.monotonic(), self.transfer):
             yield item
 
     async def set_transfer_options(self, **changes) -> dict:
@@ -257,7 +248,7 @@ class WorkerActor:
 
     async def transfer_stats(self) -> dict:
         """Leases held (decode) and the backend's counters (staging pages in use on the prefill side)."""
-        leases = await self.core.call(lambda e: e.leases.stats())
+        leases = await self.core.call(lambda e: e.receiver.stats())
         return {"backend": self.tcfg.backend, "leases": leases,
                 "backend_stats": self.transfer.stats() if self.transfer is not None else {}}
 
@@ -307,7 +298,7 @@ class WorkerActor:
         pending write-through copies (L1->L2->L3) are finished first, so the pages outlive the worker."""
         def check(e: Engine) -> dict:
             s = e.scheduler
-            busy = len(s.running) + len(s.waiting) + e.leases.stats()["live"]
+            busy = len(s.running) + len(s.waiting) + e.receiver.live
             if not busy and e.cache is not None:
                 e.cache.poll(block=True)
             return {"busy": busy}

@@ -4,9 +4,10 @@ SWA-aware transfer saves.
 Two Ray actors stand for the two workers, each holding real L1 pools (storage/pools.py) and its end of a
 backend (storage/transfer): the decode end leases pages exactly as a decode worker does (full pages for
 the whole prompt, SWA pages for the last window), the prefill end sends a prompt's KV payload (random
-bytes, shaped as engine/disagg.py ``export_kv`` shapes it) into them, and the decode end commits (for
-ray_object: reads the payload from the object store and copies it into the leased pages; for NIXL: waits
-for the completion notification). No model runs, so the figures are the transfer's alone.
+bytes, shaped as engine/disagg.py ``export_kv`` shapes it) into them, and the decode end commits and
+fills the pages with the backend's ``fill`` (for ray_object: reads the payload from the object store and
+copies it in; one-sided: waits for the arrival first). No model runs, so the figures are the transfer's
+alone.
 
 latency = reserve + send + commit of one request, as the ingress drives it (median of ``--reps``);
 GB/s = bytes moved / latency; send_s = the prefill side's send alone (one-sided backends: staging copy +
@@ -35,7 +36,7 @@ from engine.disagg import KVPayload
 from storage.geometry import KVGeometry
 from storage.config import KVPoolConfig
 from storage.pools import KVPools
-from storage.transfer import Destination, LeaseTable, TransferConfig, make_backend
+from storage.transfer import Destination, LeaseInfo, LeaseTable, Receipt, TransferConfig, make_backend
 
 MODELS = {
     "tiny": dict(layers=["sliding_attention", "full_attention"] * 2, kv_heads=2, head_dim=16,
@@ -83,26 +84,22 @@ def run(backends: list[str], models: list[str], reps: int) -> list[dict]:
             self.n += 1
             lid = f"l{self.n}"
             lease = self.leases.reserve(lid, {"full": n_full, "swa": n_swa}, time.monotonic(), self.cfg.lease_seconds,
-                                        {"swa_first_page": first})
-            return Destination(lid, self.cfg.backend, prompt_len, PAGE_SIZE, lease.pages["full"], lease.pages["swa"],
-                               first, self.cfg.lease_seconds, "decode", self.be.peer_info())
+                                        LeaseInfo(prompt_len, first, self.be.one_sided))
+            return Destination.of(lease.leased_pages(), self.be, PAGE_SIZE, self.cfg.lease_seconds, "decode")
 
-        def send(self, dest: Destination) -> dict:
+        def send(self, dest: Destination) -> Receipt:
             p = self.payloads.get(dest.prompt_len)
             if p is None:
                 p = self.payloads[dest.prompt_len] = payload(self.m, dest.prompt_len)
             return self.be.send(p, dest, self.cfg.transfer_timeout)
 
-        def commit(self, lease_id: str, rec: dict) -> bool:
-            from storage.transfer.ray_object import unpack
-            packed = rec.get("packed")
-            if packed is None:
+        def commit(self, lease_id: str, rec: Receipt) -> bool:
+            if self.be.one_sided:
                 self.be.wait_arrival(lease_id, self.cfg.transfer_timeout)
-            lease = self.leases.commit(lease_id, time.monotonic())
-            if packed is not None:
-                unpack(packed, lease.pages["full"], lease.pages["swa"], lease.meta["swa_first_page"], self.pools)
-            self.pools.full.allocator.free(lease.pages["full"])
-            self.pools.swa.allocator.free(lease.pages["swa"])
+            pages = self.leases.commit(lease_id, time.monotonic()).leased_pages()
+            self.be.fill(self.pools, pages, rec)
+            self.pools.full.allocator.free(pages.full)
+            self.pools.swa.allocator.free(pages.swa)
             return True
 
         def all_free(self) -> bool:
@@ -132,8 +129,8 @@ def run(backends: list[str], models: list[str], reps: int) -> list[dict]:
                     rec = ray.get(rec_ref)
                     if r:
                         lat.append(dt)
-                        send_s.append(rec["seconds"])
-                    nbytes = rec["bytes"]
+                        send_s.append(rec.seconds)
+                    nbytes = rec.bytes
                 assert ray.get(dec.all_free.remote()), "decode pools not free after the transfers"
                 p = payload(m, n)
                 full_pages = p.full.shape[1]

@@ -19,6 +19,7 @@ from engine.disagg import KVPayload
 from engine.engine import Engine
 from engine.request import Status
 from engine.sampling import SamplingParams
+from storage.transfer.base import Receipt, TransferBackend
 
 log = logging.getLogger("strata.engine")
 
@@ -231,11 +232,12 @@ class AsyncEngine:
             last = item   # the first token's item is the last: the one handed on
         return PrefillResult(last, sink.payload)
 
-    def decode_leased(self, prompt, lease_id: str, info, params: SamplingParams, now: float,
-                      fill=None, rid: str | None = None) -> AsyncIterator[StreamItem]:
-        """Admit a request whose KV a transfer put into the pages of ``lease_id`` (Engine.add_leased)."""
+    def decode_leased(self, prompt, lease_id: str, rec: Receipt | None, params: SamplingParams, now: float,
+                      backend: TransferBackend, rid: str | None = None) -> AsyncIterator[StreamItem]:
+        """Admit a request whose KV ``backend`` fills into the pages of ``lease_id`` from the sender's
+        receipt ``rec`` (Engine.add_leased), and stream its tokens."""
         rid = rid or self.new_rid()
-        return self._stream(rid, lambda e: e.add_leased(prompt, lease_id, info, params, rid, now=now, fill=fill))
+        return self._stream(rid, lambda e: e.add_leased(prompt, lease_id, rec, params, backend, rid, now=now))
 
     async def abort(self, rid: str) -> None:
         await self.call(lambda e: self._abort_now(rid))
@@ -283,7 +285,7 @@ class AsyncEngine:
         s = e.scheduler
         if s.running or s.waiting:
             return f"{len(s.running)} running, {len(s.waiting)} waiting"
-        live = e.leases.stats().get("live", 0)
+        live = e.receiver.live
         return f"{live} KV transfer leases held" if live else None
 
     async def hold(self, seconds: float) -> str | None:

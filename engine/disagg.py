@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation inside one engine: a prefill-only request leaves its prompt's KV as a
 ``KVPayload`` (full layers: every prompt page; sliding layers: only the pages of the last window), and
-a decode engine admits a request straight into decode from such a payload."""
+a decode engine admits a request straight into decode from leased pages a transfer filled with it
+(engine/pd.py, the one admission path for KV computed elsewhere)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from engine.kv_manager import KVManager
 from engine.request import Request, Status
 from storage.geometry import KVGeometry
 from storage.pools import KVPools
+from storage.transfer.base import LeasedPages, Receipt
 
 
 @dataclass
@@ -54,68 +56,27 @@ def export_kv(req: Request, pools: KVPools, geom: KVGeometry) -> KVPayload:
     return KVPayload(n, req.output_ids[0], ps, full, swa, first, max(t.swa_valid_from, first * ps))
 
 
-def check_payload(p: KVPayload, pools: KVPools, geom: KVGeometry) -> None:
-    ps, window = geom.page_size, geom.window
-    if p.page_size != ps:
-        raise ValueError(f"kv payload: page_size {p.page_size} != {ps}")
-    n_full = -(-p.prompt_len // ps)
-    want_full = (len(pools.full.layer_ids), n_full, pools.full.page_elems)
-    if pools.full.layer_ids and tuple(p.full.shape) != want_full:
-        raise ValueError(f"kv payload: full shape {tuple(p.full.shape)} != {want_full}")
-    if window:
-        lo, hi = geom.swa_aligned_first_page(p.prompt_len), geom.swa_needed_first_page(p.prompt_len)
-        want = (len(pools.swa.layer_ids), n_full - p.swa_first_page, pools.swa.page_elems)
-        if not lo <= p.swa_first_page <= hi or tuple(p.swa.shape) != want:
-            raise ValueError(f"kv payload: swa pages {tuple(p.swa.shape)} from page {p.swa_first_page}; "
-                             f"expected {want} from a page in [{lo}, {hi}]")
-        if p.swa_valid_from > geom.swa_lo(p.prompt_len):
-            raise ValueError(f"kv payload: swa data starts at {p.swa_valid_from}, after the window")
-    if p.full.dtype != pools.full.kv.dtype:
-        raise ValueError(f"kv payload: dtype {p.full.dtype} != {pools.full.kv.dtype}")
-
-
-def import_kv(req: Request, p: KVPayload, pools: KVPools, geom: KVGeometry, kv: KVManager) -> None:
-    """Take the request's pages from ``kv``, copy the payload in and mark the prompt computed. Raises
-    MemoryError (nothing allocated) when the pools cannot take it even after evicting cached pages."""
-    n_swa = p.swa.shape[1] if geom.window else 0
-    full_pages, swa_pages = kv.import_pages(req, geom.pages(p.prompt_len), p.swa_first_page, n_swa,
-                                            p.swa_valid_from)
-    dev = pools.full.kv.device
-    try:
-        if pools.full.layer_ids:
-            pools.full.flat()[:, torch.tensor(full_pages, device=dev)] = p.full.to(dev)
-        if n_swa:
-            pools.swa.flat()[:, torch.tensor(swa_pages, device=dev)] = p.swa.to(dev)
-    except BaseException:
-        kv.release(req)
-        raise
-    req.num_computed = p.prompt_len
-    req.output_ids = [p.first_token]
-    req.status = Status.RUNNING
-
-
-def admit_leased(req: Request, pages: dict, reserved_first: int, info, kv: KVManager) -> None:
-    """Make a request of pages a transfer filled in place (storage/transfer): ``pages`` are a committed
-    lease's {"full": [n_full], "swa": pages of logical [reserved_first, n_full)}; ``info`` the sender's
-    receipt (storage/transfer.Receipt). The payload's window may start after ``reserved_first``: those leading pages are freed.
-    Raises ValueError (pages untouched, still the caller's) when the receipt does not fit them."""
+def admit_leased(req: Request, pages: LeasedPages, rec: Receipt, kv: KVManager) -> None:
+    """Make a request of the pages of a committed lease that a transfer filled (storage/transfer);
+    ``rec``: the sender's receipt. The payload's window may start after the lease's
+    ``swa_first_page``: those leading pages are freed. Raises ValueError (pages untouched, still the
+    caller's) when the receipt does not fit them."""
     geom = kv.geom
     window = geom.window
-    n = info.prompt_len
+    n = rec.prompt_len
     n_full = geom.pages(n)
-    first = info.swa_first_page if window else 0
-    off = first - reserved_first
-    swa = list(pages.get("swa", []))
-    if len(pages["full"]) != n_full:
-        raise ValueError(f"kv transfer: {len(pages['full'])} full pages leased for {n_full}")
+    first = rec.swa_first_page if window else 0
+    off = first - pages.swa_first_page
+    if len(pages.full) != n_full:
+        raise ValueError(f"kv transfer: {len(pages.full)} full pages leased for {n_full}")
     if window:
         lo, hi = geom.swa_aligned_first_page(n), geom.swa_needed_first_page(n)
-        if not (lo <= first <= hi and 0 <= off <= len(swa) and len(swa) - off == n_full - first):
+        if not (lo <= first <= hi and 0 <= off <= len(pages.swa) and len(pages.swa) - off == n_full - first):
             raise ValueError(f"kv transfer: SWA window from page {first} does not fit the lease "
-                             f"({len(swa)} pages from {reserved_first})")
-        if info.swa_valid_from > geom.swa_lo(n):
-            raise ValueError(f"kv transfer: swa data starts at {info.swa_valid_from}, after the window")
-    kv.import_leased(req, pages, reserved_first, first, info.swa_valid_from)
+                             f"({len(pages.swa)} pages from {pages.swa_first_page})")
+        if rec.swa_valid_from > geom.swa_lo(n):
+            raise ValueError(f"kv transfer: swa data starts at {rec.swa_valid_from}, after the window")
+    kv.import_leased(req, pages, first, rec.swa_valid_from)
     req.num_computed = n
-    req.output_ids = [info.first_token]
+    req.output_ids = [rec.first_token]
     req.status = Status.RUNNING

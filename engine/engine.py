@@ -20,15 +20,16 @@ from engine.runner import ModelRunner
 from engine.grammar import GrammarTokenizer
 from engine.sampler import sample, token_logprobs
 from engine.sampling import SamplingParams, TokenLogprob, make_generator
-from engine.stopping import catch_up_first_token, row_state, stop_reason
+from engine.stopping import row_state, stop_reason
 from engine.scheduler import Scheduler
 from engine.kv_manager import KVManager
-from engine.disagg import KVPayload, admit_leased, check_payload, export_kv, import_kv
+from engine.disagg import export_kv
+from engine.pd import KVReceiver
 from engine.prefix import PrefixCacheHooks
 from storage.hicache import HiCache
 from storage.pools import COMPONENTS, KVPools
 from storage.geometry import KVGeometry
-from storage.transfer.base import Lease, LeaseTable
+from storage.transfer.base import LeasedPages, Receipt, TransferBackend
 
 Prompt = Union[str, Sequence[int]]
 
@@ -121,8 +122,8 @@ class Engine:
                                    cfg.effective_chunk_size, hooks=self.hooks)
         self.runner = ModelRunner(self.model, self.pools, self.device)
         self.requests: dict[str, Request] = {}
-        # Pages reserved for KV transfers still in flight (decode side of storage/transfer).
-        self.leases = LeaseTable({"full": self.pools.full.allocator, "swa": self.pools.swa.allocator}, "kv leases")
+        # The decode side of P/D: pages leased for KV transfers in flight, until they are a request's.
+        self.receiver = KVReceiver(self.kv, mc.vocab_size)
         self._arrival = itertools.count()
         self._rid = itertools.count()
         self._rng = torch.Generator().manual_seed(cfg.seed)
@@ -174,75 +175,33 @@ class Engine:
             self.scheduler.add(req)
         return req.rid
 
-    def add_prefilled(self, prompt: Prompt, payload: KVPayload, params: SamplingParams | None = None,
-                      rid: str | None = None) -> str:
-        """Admit a request straight into decode from a prefill engine's KV payload. Raises ValueError
-        on a bad payload and MemoryError when the pools cannot take it (nothing is kept then)."""
-        req = self._new_request(prompt, params, rid)
-        if payload.prompt_len != len(req.prompt_ids):
-            raise ValueError(f"kv payload: covers {payload.prompt_len} tokens, prompt has {len(req.prompt_ids)}")
-        if not 0 <= payload.first_token < self.model_config.vocab_size:
-            raise ValueError(f"kv payload: first token {payload.first_token} outside the vocabulary")
-        check_payload(payload, self.pools, self.geometry)
-        if len(self.scheduler.running) >= self.cfg.max_running_requests:
-            raise MemoryError("decode: running batch is full")
-        import_kv(req, payload, self.pools, self.geometry, self.kv)
-        catch_up_first_token(req, self.model_config.vocab_size)
-        self.requests[req.rid] = req
-        self.scheduler.running.append(req)
-        reason = self._stop_reason(req, payload.first_token)
-        if reason is not None:
-            self._finish(req, reason)
-        return req.rid
-
-    def reserve_kv(self, lease_id: str, prompt_len: int, now: float, ttl: float, meta: dict | None = None) -> Lease:
+    def reserve_kv(self, lease_id: str, prompt_len: int, now: float, ttl: float, one_sided: bool = False,
+                   sender: str = "") -> LeasedPages:
         """Reserve the pages a transferred prompt of ``prompt_len`` tokens will occupy (full: every page;
-        SWA: the last window), under a lease that ``now + ttl`` ends. MemoryError when they cannot be had
-        even after evicting cached pages (nothing is held then). ``meta``: the transfer's (sender,
-        one_sided: whether the lease's pages are quarantined when it ends before the send did)."""
+        SWA: the last window), under a lease that ``now + ttl`` ends (engine/pd.py). MemoryError when
+        the batch is full or the pages cannot be had (nothing is held then). ``one_sided``: the sender
+        writes in place (a lease ending before its send is quarantined); ``sender``: its worker id."""
         if not isinstance(prompt_len, int) or not 0 < prompt_len < self.max_context:
             raise ValueError(f"prompt_len: must be in [1, {self.max_context}), got {prompt_len!r}")
-        n_full, first, n_swa = self.geometry.plan_pages(prompt_len)
-        if len(self.scheduler.running) + len(self.leases.leases) >= self.cfg.max_running_requests:
+        if len(self.scheduler.running) + self.receiver.live >= self.cfg.max_running_requests:
             raise MemoryError("decode: running batch is full")
-        need = {"full": n_full, "swa": n_swa}
-        for comp, n in need.items():
-            if n:
-                self.kv.ensure(comp, n)   # evicts cached pages if need be; the lease table allocates
-        return self.leases.reserve(lease_id, need, now, ttl,
-                                   {**(meta or {}), "prompt_len": prompt_len, "swa_first_page": first})
+        return self.receiver.reserve(lease_id, prompt_len, now, ttl, one_sided, sender)
 
-    def add_leased(self, prompt: Prompt, lease_id: str, info, params: SamplingParams | None = None,
-                   rid: str | None = None, now: float = 0.0, fill=None) -> str:
-        """Admit a request straight into decode from pages a transfer filled under ``lease_id``
-        (``fill(pools, lease)`` copies a two-sided payload in first). ``info``: the sender's Receipt
-        (storage/transfer: prompt_len, first_token, swa_first_page, swa_valid_from). Raises TransferError when the lease is
-        gone, ValueError on a bad request or receipt; on any error the lease's pages are freed."""
+    def add_leased(self, prompt: Prompt, lease_id: str, rec: Receipt | None, params: SamplingParams | None,
+                   backend: TransferBackend, rid: str | None = None, now: float = 0.0) -> str:
+        """Admit a request straight into decode from the pages of ``lease_id``, which ``backend`` fills
+        with the KV the sender's receipt ``rec`` stands for (engine/pd.py). Raises TransferError when the
+        lease is gone or nothing was sent, ValueError on a bad request or receipt; on any error the
+        lease's pages are freed."""
         try:
             req = self._new_request(prompt, params, rid)
-            lease = self.leases.get(lease_id, now)
-            if getattr(info, "prompt_len", None) != len(req.prompt_ids) or lease.meta["prompt_len"] != len(req.prompt_ids):
-                raise ValueError(f"kv transfer: covers {getattr(info, 'prompt_len', None)} tokens, prompt has {len(req.prompt_ids)}")
-            if not 0 <= info.first_token < self.model_config.vocab_size:
-                raise ValueError(f"kv transfer: first token {info.first_token} outside the vocabulary")
         except BaseException:
-            self.leases.cancel(lease_id)
+            self.receiver.cancel(lease_id)
             raise
-        lease = self.leases.commit(lease_id, now)
-        try:
-            if fill is not None:
-                fill(self.pools, lease)
-            admit_leased(req, lease.pages, lease.meta["swa_first_page"], info, self.kv)
-            catch_up_first_token(req, self.model_config.vocab_size)
-        except BaseException:
-            if self.kv.holds(req):
-                self.kv.release(req)
-            else:
-                self.kv.give_back({"full": lease.pages["full"], "swa": lease.pages["swa"]})
-            raise
+        self.receiver.admit(req, lease_id, rec, now, backend)
         self.requests[req.rid] = req
         self.scheduler.running.append(req)
-        reason = self._stop_reason(req, info.first_token)
+        reason = self._stop_reason(req, rec.first_token)
         if reason is not None:
             self._finish(req, reason)
         return req.rid
@@ -464,8 +423,8 @@ class Engine:
 
     # ---- introspection -----------------------------------------------------------------------
     def check_integrity(self) -> None:
-        self.leases.check_integrity(full_check=False)
-        leased = self.leases.owners()
+        self.receiver.check_integrity()
+        leased = self.receiver.owners()
         tree: dict = {}
         if self.cache is not None:
             self.cache.check_integrity()
@@ -504,7 +463,7 @@ class Engine:
             "preemptions": self.scheduler.num_preemptions,
             "pool": {c: {"used": p.pool(c).allocator.num_used, "total": p.pool(c).num_pages,
                          "peak": p.pool(c).allocator.peak_used} for c in ("full", "swa")},
-            "leases": self.leases.stats(),
+            "leases": self.receiver.stats(),
             "kv_bytes_per_token": {"full": p.full.bytes_per_token, "swa": p.swa.bytes_per_token},
             **({"cache": {**self.cache.stats, "usage": self.cache.usage()}} if self.cache is not None else {}),
         }

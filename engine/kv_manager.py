@@ -9,15 +9,15 @@ Operations, in a request's life:
   without evicting a kept window for it, and ``commit`` hands them to the tree after every chunk: out
   of the window they are evictable, matchable tree data, so a later prompt branching off inside this
   one finds the window before its branch point (storage/radix.py, "Retention");
-* ``import_pages`` / ``import_leased`` -- pages arriving by a P/D transfer;
+* ``import_leased`` -- pages a P/D transfer filled under a lease (engine/pd.py);
 * ``commit``  -- hand the request's whole pages to the prefix cache (a prompt just prefilled, or the
   finished sequence), keeping them as borrowed pages or giving up the rest;
 * ``release`` -- give back everything (finish, abort, preemption).
 
 The scheduler only decides (who runs, who is preempted); the window-in-pages rules come from
 ``KVGeometry``. Shared pages belong to the cache's tree; owned ones to the request. The only other
-takers of L1 pages are the tree's own load-back (storage/hicache) and the P/D lease table
-(storage/transfer/base.py), whose pages become a request's through ``import_leased``.
+takers of L1 pages are the tree's own load-back (storage/hicache) and the P/D leases (engine/pd.py over
+storage/transfer/base.py), whose pages become a request's through ``import_leased``.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from storage.pools import COMPONENTS, FULL, SWA, KVPools, PageAllocator
 if TYPE_CHECKING:   # engine/request.py imports PageTable from here
     from engine.request import Request
     from storage.hicache import HiCache
+    from storage.transfer.base import LeasedPages
 
 
 @dataclass
@@ -260,30 +261,13 @@ class KVManager:
             self.swa.free(self._retired)
             self._retired = []
 
-    def import_pages(self, req: "Request", n_full: int, swa_first: int, n_swa: int,
-                     swa_valid_from: int) -> tuple[list[int], list[int]]:
-        """Allocate a transferred prompt's pages (full: ``n_full`` from page 0; SWA: ``n_swa`` from logical
-        page ``swa_first``) as the request's table; -> (full, swa) pages for the caller to fill. Raises
-        MemoryError (nothing allocated) when the pools cannot take them even after evicting cached pages."""
-        for comp, n in ((FULL, n_full), (SWA, n_swa)):
-            if n:
-                self.ensure(comp, n)
-        if not self.full.can_alloc(n_full) or (n_swa and not self.allocator(SWA).can_alloc(n_swa)):
-            raise MemoryError(f"decode: no room for {n_full} full + {n_swa} SWA pages")
-        full = self.full.alloc(n_full)
-        swa = self.allocator(SWA).alloc(n_swa) if n_swa else []
-        self._adopt(req, full, [None] * swa_first + swa, swa_valid_from)
-        return full, swa
-
-    def import_leased(self, req: "Request", pages: dict, reserved_first: int, swa_first: int,
-                      swa_valid_from: int) -> None:
-        """Make a committed lease's pages ({"full": [...], "swa": logical [reserved_first, ...)}) the
-        request's table; the SWA pages before ``swa_first`` (the payload's window began later) are freed."""
-        swa = list(pages.get(SWA, []))
-        off = swa_first - reserved_first
+    def import_leased(self, req: "Request", pages: "LeasedPages", swa_first: int, swa_valid_from: int) -> None:
+        """Make a committed lease's pages (engine/pd.py) the request's table; the SWA pages before
+        ``swa_first`` (the payload's window began after the lease's ``swa_first_page``) are freed."""
+        off = swa_first - pages.swa_first_page
         if self.geom.has_swa and off:
-            self.allocator(SWA).free(swa[:off])
-        self._adopt(req, list(pages[FULL]), [None] * swa_first + swa[off:] if self.geom.has_swa else [],
+            self.allocator(SWA).free(pages.swa[:off])
+        self._adopt(req, list(pages.full), [None] * swa_first + list(pages.swa[off:]) if self.geom.has_swa else [],
                     swa_valid_from)
 
     def give_back(self, pages: dict) -> None:

@@ -19,8 +19,8 @@ Parts (each runs alone, so a failed one can be rerun by name):
 * ``engine``: greedy tokens of each family's tiny checkpoint on the device against transformers (the
   oracle, on the CPU) and against the engine on the CPU, under the numerics policy (tests/numerics.py):
   cold, from L1, from L2 (loaded back on the copier's own stream, layer by layer, beside the forward),
-  and prefill on one engine with decode on another (``add_prefilled``). Also a seeded sampled request
-  with penalties, bias and logprobs, and the pools' integrity after each.
+  and prefill on one engine with decode on another (through the cluster's leased admission, tests/pd.py).
+  Also a seeded sampled request with penalties, bias and logprobs, and the pools' integrity after each.
 * ``speed``: a Gemma-3-1B-shaped model (26 layers, 5 sliding : 1 full, random bf16 weights): prefill
   tokens/s, decode tokens/s at batch 1, 8 and 64 against the memory-bandwidth bound (weight and KV
   bytes one step reads / the device's measured copy bandwidth), where a decode step's time goes (kernels

@@ -45,7 +45,7 @@ def _family(name: str, root: Path, dev: torch.device, checks: Checks) -> None:
     version cannot hide (or stand in for) what the device computes."""
     from engine import SamplingParams
     from storage.config import HiCacheConfig
-    from tests import numerics
+    from tests import numerics, pd
     from tests.unit.hf_ref import hf_greedy
     n_new = 10
     sp = numerics.with_logits(SamplingParams(max_new_tokens=n_new, ignore_eos=True))
@@ -99,15 +99,9 @@ def _family(name: str, root: Path, dev: torch.device, checks: Checks) -> None:
         a.flush_cache()
         assert a.pools.all_free()
         a.close()
-    with checks.check(f"{name}: {device} prefill on one engine, decode on another (add_prefilled)"):
+    with checks.check(f"{name}: {device} prefill on one engine, decode on another (leased, ray_object fill)"):
         pre, dec = _engine(path, device), _engine(path, device)
-        rids = [pre.add_request(p, sp, prefill_only=True) for p in prompts[2:]]
-        while pre.has_unfinished():
-            pre.step()
-        payloads = [pre.requests[r].kv_payload for r in rids]
-        for r in rids:
-            pre.pop_finished(r)
-        drids = [dec.add_prefilled(p, kv, sp) for p, kv in zip(prompts[2:], payloads)]
+        drids = pd.handoff(pre, dec, prompts[2:], sp)
         while dec.has_unfinished():
             dec.step()
             dec.check_integrity()

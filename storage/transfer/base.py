@@ -2,13 +2,16 @@
 
 The flow of one request (the actor shells drive it; nothing here imports ray):
 
-1. decode side ``reserve``: the engine allocates the pages the prompt's KV will occupy -- full pages for
-   the whole prompt, SWA pages for the last window only (``KVGeometry.plan_pages``, storage/geometry.py) -- and puts them under a
-   **lease** that expires ``lease_seconds`` later. The ``Destination`` it returns names those pages and,
-   for one-sided backends, how to reach them (agent metadata, registered base addresses).
-2. prefill side ``send``: computes the prompt, then moves its KV into exactly those pages. The prefill
-   side holds its own (staging) pages until the send completes, fails or times out, then frees them.
-3. decode side ``commit``: the lease ends and its pages become the request's; decode starts.
+1. decode side ``reserve`` (engine/pd.py): the engine allocates the pages the prompt's KV will occupy --
+   full pages for the whole prompt, SWA pages for the last window only (``KVGeometry.plan_pages``,
+   storage/geometry.py) -- and puts them under a **lease** (its ``LeaseInfo``) that expires
+   ``lease_seconds`` later. The ``Destination`` made of them names those pages and, for one-sided
+   backends, how to reach them (``PeerInfo``: agent metadata, registered pools).
+2. prefill side ``send``: computes the prompt, then moves its KV into exactly those pages (one-sided) or
+   packs it into the ``Receipt`` (ray_object). The prefill side holds its own (staging) pages until the
+   send completes, fails or times out, then frees them.
+3. decode side ``commit``: the lease ends, the backend's ``fill`` makes its pages hold the KV, and they
+   become the request's; decode starts.
 
 A lease that expires, a cancel (the prefill worker failed, the client left) or a dead peer frees the
 pages at once; a commit after that is a clean ``TransferError``, never stale tokens. Time is passed in
@@ -23,7 +26,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Mapping, NamedTuple
+from typing import Mapping, NamedTuple, Protocol
+
+import torch
 
 from storage.pools import PageAllocator
 
@@ -41,13 +46,78 @@ class TransferError(RuntimeError):
         return (TransferError, (str(self), self.in_flight))
 
 
+class KVPages(Protocol):
+    """What a backend moves: one prompt's KV as the prefill engine exported it (engine/disagg.KVPayload is
+    the one implementation; storage/ only names the fields it reads, since it never imports engine/).
+
+    full: [full_layers, n_full, page_elems], logical pages [0, n_full)
+    swa:  [swa_layers, n_swa, page_elems], logical pages [swa_first_page, swa_first_page + n_swa)
+    """
+
+    prompt_len: int
+    first_token: int
+    page_size: int
+    full: torch.Tensor
+    swa: torch.Tensor
+    swa_first_page: int
+    swa_valid_from: int
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class PoolRegion(NamedTuple):
+    """One L1 pool as a decode worker registered it: layout [layers, num_pages, page_bytes] at ``base``."""
+    base: int
+    num_pages: int
+    layers: int
+    page_bytes: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """How a prefill side reaches a decode worker's pages (one-sided backends; empty for ray_object)."""
+    agent: str = ""                 # NIXL: the agent's name (a restarted worker has a new one)
+    agent_meta: bytes = b""         # NIXL: the agent's metadata, loaded by the prefill side once per name
+    session: str = ""               # Mooncake: the TransferEngine's "host:rpc_port"
+    regions: Mapping[str, PoolRegion] = field(default_factory=dict)   # component -> its registered pool
+
+
+class LeaseInfo(NamedTuple):
+    """What a decode-side lease is for. ``one_sided``: its sender writes without the decode side taking
+    part (the pages are quarantined when the lease ends before the send did); ``sender``: the prefill
+    worker's id, asked before quarantined pages are freed ("" nobody to ask)."""
+    prompt_len: int
+    swa_first_page: int = 0
+    one_sided: bool = False
+    sender: str = ""
+
+
+class LeasedPages(NamedTuple):
+    """The decode-side pages one lease holds for a transferred prompt of ``prompt_len`` tokens.
+
+    full: [n_full] page indices for logical pages [0, n_full)
+    swa:  [n_swa] page indices for logical pages [swa_first_page, n_full) (the last window only)
+    """
+    lease_id: str
+    prompt_len: int
+    full: list[int]
+    swa: list[int]
+    swa_first_page: int
+
+    def as_dict(self) -> dict[str, list[int]]:
+        """component -> pages (for the allocators)."""
+        return {"full": self.full, "swa": self.swa}
+
+
 @dataclass
 class Destination:
     """Where one request's KV goes: the decode worker's leased pages (picklable, sent to the prefill side).
 
     full_pages: [n_full] decode-side page indices for logical pages [0, n_full)
     swa_pages:  [n_swa] decode-side page indices for logical pages [swa_first_page, n_full)
-    peer: backend-specific reachability (NIXL agent metadata, Mooncake session, registered bases).
+    peer: how to reach them (one-sided backends: NIXL agent, Mooncake session, registered pools).
     """
 
     lease_id: str
@@ -59,7 +129,13 @@ class Destination:
     swa_first_page: int
     ttl: float                      # seconds the lease had left when it was handed out
     worker_id: str = ""
-    peer: dict = field(default_factory=dict)
+    peer: PeerInfo = field(default_factory=PeerInfo)
+
+    @classmethod
+    def of(cls, pages: LeasedPages, backend: "TransferBackend", page_size: int, ttl: float,
+           worker_id: str = "") -> "Destination":
+        return cls(pages.lease_id, backend.name, pages.prompt_len, page_size, pages.full, pages.swa,
+                   pages.swa_first_page, ttl, worker_id, backend.peer_info())
 
 
 @dataclass
@@ -67,7 +143,12 @@ class Lease:
     lease_id: str
     pages: dict[str, list[int]]     # component -> page indices held
     expires_at: float
-    meta: dict = field(default_factory=dict)
+    info: LeaseInfo | None = None   # None: a lease with no transfer behind it (the staging buffer's)
+    send_ended: bool = False        # the sender said its send is over: nothing can write any more
+
+    def leased_pages(self) -> LeasedPages:
+        return LeasedPages(self.lease_id, self.info.prompt_len, list(self.pages.get("full", [])),
+                           list(self.pages.get("swa", [])), self.info.swa_first_page)
 
 
 class LeaseTable:
@@ -87,7 +168,7 @@ class LeaseTable:
                        "released": 0}
 
     def reserve(self, lease_id: str, need: Mapping[str, int], now: float, ttl: float,
-                meta: dict | None = None) -> Lease:
+                info: LeaseInfo | None = None) -> Lease:
         """Take ``need[c]`` pages of every component, all or nothing. Raises MemoryError when an
         allocator is short (nothing taken), ValueError on a reused id or a bad ttl."""
         if lease_id in self.leases:
@@ -104,7 +185,7 @@ class LeaseTable:
                 raise MemoryError(f"{self.name}: {n} {comp} pages requested, "
                                   f"{self.allocators[comp].num_free} free")
         pages = {comp: self.allocators[comp].alloc(n) if n else [] for comp, n in need.items()}
-        lease = Lease(lease_id, pages, now + ttl, dict(meta or {}))
+        lease = Lease(lease_id, pages, now + ttl, info)
         self.leases[lease_id] = lease
         self.counts["reserved"] += 1
         return lease
@@ -151,7 +232,7 @@ class LeaseTable:
     def _free(self, lease: Lease, why: str) -> None:
         del self.leases[lease.lease_id]
         self.counts[why] += 1
-        if lease.meta.get("one_sided") and not lease.meta.get("send_ended"):
+        if lease.info is not None and lease.info.one_sided and not lease.send_ended:
             self.quarantine[lease.lease_id] = lease
             self.counts["quarantined"] += 1
             return
@@ -167,7 +248,7 @@ class LeaseTable:
         lease may now be freed at once when it ends; a quarantined one is freed now. True if it freed."""
         lease = self.leases.get(lease_id)
         if lease is not None:
-            lease.meta["send_ended"] = True
+            lease.send_ended = True
             return False
         return self.release(lease_id)
 
@@ -235,17 +316,24 @@ class TransferBackend(ABC):
     one_sided = False               # writes into the decode side's pages without it taking part
     on_send_ended = None            # callable(lease_id): an in-flight send (see TransferError) ended
 
-    @abstractmethod
-    def peer_info(self) -> dict:
+    def peer_info(self) -> PeerInfo:
         """What a prefill side needs to reach this worker's pages (empty for two-sided backends)."""
+        return PeerInfo()
 
     @abstractmethod
-    def send(self, payload, dest: Destination, timeout: float) -> Receipt:
-        """Move ``payload`` (engine/disagg.KVPayload) into ``dest``; raises TransferError on failure or
-        past ``timeout``."""
+    def send(self, payload: KVPages, dest: Destination, timeout: float) -> Receipt:
+        """Move ``payload`` into ``dest``; raises TransferError on failure or past ``timeout``."""
 
     def wait_arrival(self, lease_id: str, timeout: float) -> None:
-        """Decode side: block until the data of ``lease_id`` is known to have landed."""
+        """Decode side: block until the data of ``lease_id`` is known to have landed (one-sided backends;
+        the worker calls it off the engine thread before admitting the request)."""
+
+    def fill(self, pools, pages: LeasedPages, rec: Receipt) -> None:
+        """Decode side, on the engine thread at admission: make ``pages`` hold the KV ``rec`` stands for.
+        A one-sided backend wrote them in place before ``wait_arrival`` returned: nothing is left to do.
+        Raises TransferError when the data cannot be (the pages stay the caller's to free)."""
+        if not self.one_sided:
+            raise NotImplementedError(f"{self.name}: a two-sided backend must fill the pages itself")
 
     def forget(self, lease_id: str) -> None:
         """Decode side: drop any arrival record of a lease that ended."""
@@ -269,7 +357,7 @@ class TransferBackend(ABC):
         pass
 
 
-def check_fits(payload, dest: Destination) -> int:
+def check_fits(payload: KVPages, dest: Destination) -> int:
     """Raise TransferError unless ``payload`` (a KVPayload) fills ``dest``'s pages; returns the offset of
     its first SWA page inside ``dest.swa_pages`` (an export may start its window later than reserved)."""
     n_full = len(dest.full_pages)
@@ -296,10 +384,10 @@ class Receipt(NamedTuple):
     bytes: int = 0
     seconds: float = 0.0
     descriptors: int = 0
-    packed: Any = None              # ray_object: the packed KV itself (it travels through the object store)
+    packed: KVPages | None = None   # ray_object: the packed KV itself (it travels through the object store)
     sender: str = ""                # the prefill worker that sent it
 
 
-def receipt(payload, **extra) -> Receipt:
+def receipt(payload: KVPages, **extra) -> Receipt:
     return Receipt(payload.prompt_len, payload.first_token, payload.swa_first_page, payload.swa_valid_from,
                    **{"bytes": payload.nbytes, **extra})

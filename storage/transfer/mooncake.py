@@ -17,7 +17,8 @@ import threading
 import time
 import uuid
 
-from storage.transfer.base import Destination, Receipt, TransferBackend, TransferError, check_fits, receipt
+from storage.transfer.base import (Destination, KVPages, PeerInfo, Receipt, TransferBackend, TransferError, check_fits,
+                                   receipt)
 from storage.transfer.staging import Staging, pool_regions
 
 
@@ -54,11 +55,11 @@ class MooncakeBackend(TransferBackend):
                 kv = pools.pool(comp).kv
                 if kv.numel():
                     self._register(kv.data_ptr(), kv.numel() * kv.element_size())
-            self._info = {"session": self.session, **pool_regions(pools)}
+            self._info = PeerInfo(session=self.session, regions=pool_regions(pools))
         else:
             self.staging = Staging(cfg.staging_pages, pools)
             self._register(self.staging.buf.data_ptr(), self.staging.buf.numel() * self.staging.buf.element_size())
-            self._info = {}
+            self._info = PeerInfo()
 
     def _register(self, ptr: int, n: int) -> None:
         rc = self.engine.register_memory(ptr, n)
@@ -66,10 +67,10 @@ class MooncakeBackend(TransferBackend):
             raise RuntimeError(f"mooncake: register_memory of {n} bytes returned {rc}")
         self._regs.append(ptr)
 
-    def peer_info(self) -> dict:
+    def peer_info(self) -> PeerInfo:
         return self._info
 
-    def send(self, payload, dest: Destination, timeout: float) -> Receipt:
+    def send(self, payload: KVPages, dest: Destination, timeout: float) -> Receipt:
         if self.staging is None:
             raise TransferError("mooncake: this worker has no staging buffer (not a prefill worker)")
         t0 = time.monotonic()
@@ -97,7 +98,7 @@ class MooncakeBackend(TransferBackend):
                 for i in range(0, len(spans), MAX_BATCH):
                     part = spans[i:i + MAX_BATCH]
                     rc = self.engine.batch_transfer_sync_write(
-                        dest.peer["session"], [s for s, _, _ in part], [d for _, d, _ in part], [n for _, _, n in part])
+                        dest.peer.session, [s for s, _, _ in part], [d for _, d, _ in part], [n for _, _, n in part])
                     if rc != 0:
                         break
                 result["rc"] = rc
@@ -129,7 +130,7 @@ class MooncakeBackend(TransferBackend):
         self.staging.release(send_id)
         if "error" in result or result.get("rc", -1) != 0:
             self.counts["failed"] += 1
-            raise TransferError(f"mooncake: write to {dest.worker_id} ({dest.peer.get('session')}) failed: "
+            raise TransferError(f"mooncake: write to {dest.worker_id} ({dest.peer.session}) failed: "
                                 f"{result.get('error') or 'rc=%s' % result.get('rc')}")
         nbytes = sum(n for _, _, n in spans)
         self.counts["sends"] += 1

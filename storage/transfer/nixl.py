@@ -17,7 +17,8 @@ import threading
 import time
 import uuid
 
-from storage.transfer.base import Destination, Receipt, TransferBackend, TransferError, check_fits, receipt
+from storage.transfer.base import (Destination, KVPages, PeerInfo, Receipt, TransferBackend, TransferError, check_fits,
+                                   receipt)
 from storage.transfer.staging import Staging, pool_regions
 
 
@@ -51,17 +52,17 @@ class NixlBackend(TransferBackend):
                 if kv.numel():
                     self._regs.append(self.agent.register_memory(
                         [(kv.data_ptr(), kv.numel() * kv.element_size(), 0, "")], "DRAM", self.backends))
-            self._info = {"agent": name, "meta": self.agent.get_agent_metadata(), **pool_regions(pools)}
+            self._info = PeerInfo(agent=name, agent_meta=self.agent.get_agent_metadata(), regions=pool_regions(pools))
             threading.Thread(target=self._pump, name="nixl-notifs", daemon=True).start()
         else:
             self.staging = Staging(cfg.staging_pages, pools)
             buf = self.staging.buf
             self._regs.append(self.agent.register_memory([(buf.data_ptr(), buf.numel() * buf.element_size(), 0, "")],
                                                          "DRAM", self.backends))
-            self._info = {}
+            self._info = PeerInfo()
 
     # ---- decode side -------------------------------------------------------------------------------
-    def peer_info(self) -> dict:
+    def peer_info(self) -> PeerInfo:
         return self._info
 
     def _pump(self) -> None:
@@ -96,11 +97,11 @@ class NixlBackend(TransferBackend):
             self._arrived.pop(lease_id, None)
 
     # ---- prefill side ------------------------------------------------------------------------------
-    def _remote(self, peer: dict) -> str:
-        name = peer["agent"]
+    def _remote(self, peer: PeerInfo) -> str:
+        name = peer.agent
         with self.lock:
             if name not in self._peers:
-                self._peers[name] = self.agent.add_remote_agent(peer["meta"])
+                self._peers[name] = self.agent.add_remote_agent(peer.agent_meta)
             return self._peers[name]
 
     def _drop_peer(self, name: str) -> None:
@@ -111,7 +112,7 @@ class NixlBackend(TransferBackend):
                 except Exception:  # noqa: BLE001
                     pass
 
-    def send(self, payload, dest: Destination, timeout: float) -> Receipt:
+    def send(self, payload: KVPages, dest: Destination, timeout: float) -> Receipt:
         if self.staging is None:
             raise TransferError("nixl: this worker has no staging buffer (not a prefill worker)")
         t0 = time.monotonic()
@@ -137,13 +138,13 @@ class NixlBackend(TransferBackend):
                                     in_flight=keep)
             if state != "DONE":
                 self.counts["failed"] += 1
-                self._drop_peer(dest.peer["agent"])
+                self._drop_peer(dest.peer.agent)
                 raise TransferError(f"nixl: write to {dest.worker_id} failed ({state})")
         except TransferError:
             raise
         except Exception as e:  # noqa: BLE001 - dead peer, bad metadata, UCX error
             self.counts["failed"] += 1
-            self._drop_peer(dest.peer.get("agent", ""))
+            self._drop_peer(dest.peer.agent)
             raise TransferError(f"nixl: write to {dest.worker_id} failed: {e!r}"[:400]) from None
         finally:
             if keep:

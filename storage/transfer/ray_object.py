@@ -1,12 +1,13 @@
 """The default backend: the KV travels as one object through the Ray object store.
 
 Only the pure part lives here -- ``pack`` (the payload, trimmed to and checked against the destination's
-leased pages) and ``unpack`` (copy into those pages). The ``ray.put`` / ``ray.get`` part lives in the actor
-shell (actors/worker.py: the packed payload is the prefill task's second return value, and the decode
-task receives it as an argument), because storage/ never imports ray (DESIGN "Arrows").
+leased pages) and ``fill`` (check it against the decode side's pools and copy it into the leased pages).
+The ``ray.put`` / ``ray.get`` part lives in the actor shell (actors/worker.py: the packed payload is the
+prefill task's second return value, and the decode task receives it as an argument), because storage/
+never imports ray (DESIGN "Arrows").
 
 The prefill side's pages are released as soon as the payload is exported (the object store holds the
-copy); the decode side's leased pages are only written at commit, on the decode worker's engine thread.
+copy); the decode side's leased pages are only written at admission, on the decode worker's engine thread.
 """
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import time
 
 import torch
 
-from storage.transfer.base import Destination, Receipt, TransferBackend, TransferError, check_fits, receipt
+from storage.transfer.base import (Destination, KVPages, LeasedPages, Receipt, TransferBackend, TransferError,
+                                   check_fits, receipt)
 
 
-def pack(payload, dest: Destination):
+def pack(payload: KVPages, dest: Destination) -> KVPages:
     """The payload to put in the object store for ``dest`` (checked to fit its leased pages).
     full: [full_layers, n_full, page_elems], swa: [swa_layers, n_swa, page_elems], contiguous."""
     check_fits(payload, dest)
@@ -26,24 +28,12 @@ def pack(payload, dest: Destination):
     return payload
 
 
-def unpack(payload, full_pages: list[int], swa_pages: list[int], swa_first_page: int, pools) -> None:
-    """Copy a packed payload into leased pages: ``full_pages`` for logical pages [0, n_full) and
-    ``swa_pages`` for [swa_first_page, n_full) (the payload's window may start later; its leading pages
-    are left untouched for the caller to free)."""
-    n_full = len(full_pages)
-    if payload.full.numel():
-        if payload.full.shape[1] != n_full:
-            raise TransferError(f"kv has {payload.full.shape[1]} full pages, lease {n_full}")
-        dev = pools.full.kv.device
-        pools.full.flat()[:, torch.tensor(full_pages, device=dev)] = payload.full.to(dev, pools.full.kv.dtype)
-    if payload.swa.numel():
-        off = payload.swa_first_page - swa_first_page
-        n = payload.swa.shape[1]
-        if off < 0 or off + n != len(swa_pages):
-            raise TransferError(f"kv SWA pages [{payload.swa_first_page}, +{n}) do not fit the lease's "
-                                f"[{swa_first_page}, +{len(swa_pages)})")
-        dev = pools.swa.kv.device
-        pools.swa.flat()[:, torch.tensor(swa_pages[off:], device=dev)] = payload.swa.to(dev, pools.swa.kv.dtype)
+def _check_shape(what: str, kv: torch.Tensor, pool, n_pages: int) -> None:
+    want = (len(pool.layer_ids), n_pages, pool.page_elems)
+    if tuple(kv.shape) != want:
+        raise TransferError(f"kv payload: {what} shape {tuple(kv.shape)} != the decode pools' {want}")
+    if kv.dtype != pool.kv.dtype:
+        raise TransferError(f"kv payload: {what} dtype {kv.dtype} != the decode pools' {pool.kv.dtype}")
 
 
 class RayObjectBackend(TransferBackend):
@@ -54,10 +44,7 @@ class RayObjectBackend(TransferBackend):
     def __init__(self) -> None:
         self.counts = {"sends": 0, "failed": 0, "bytes": 0}
 
-    def peer_info(self) -> dict:
-        return {}
-
-    def send(self, payload, dest: Destination, timeout: float) -> Receipt:
+    def send(self, payload: KVPages, dest: Destination, timeout: float) -> Receipt:
         t0 = time.perf_counter()
         try:
             packed = pack(payload, dest)
@@ -67,6 +54,32 @@ class RayObjectBackend(TransferBackend):
         self.counts["sends"] += 1
         self.counts["bytes"] += packed.nbytes
         return receipt(packed, seconds=time.perf_counter() - t0, packed=packed)
+
+    def fill(self, pools, pages: LeasedPages, rec: Receipt) -> None:
+        """Copy the packed payload ``rec`` carries into the leased pages: full pages for logical pages
+        [0, n_full), SWA pages for [pages.swa_first_page, n_full) (the payload's window may start later;
+        its leading pages are left untouched for the caller to free). The payload is checked against the
+        pools (layers, page size, dtype) and the lease first: a bad one is a clear TransferError."""
+        p = rec.packed
+        if p is None:
+            raise TransferError(f"lease {pages.lease_id}: the receipt carries no KV (nothing was sent)")
+        if p.prompt_len != pages.prompt_len:
+            raise TransferError(f"kv payload: covers {p.prompt_len} tokens, the lease {pages.prompt_len}")
+        if pools.full.layer_ids:
+            _check_shape("full", p.full, pools.full, len(pages.full))
+        off = p.swa_first_page - pages.swa_first_page
+        n_swa = p.swa.shape[1] if p.swa.numel() else 0
+        if pools.swa.layer_ids and (pages.swa or n_swa):
+            if off < 0 or off + n_swa != len(pages.swa):
+                raise TransferError(f"kv payload: SWA pages [{p.swa_first_page}, +{n_swa}) do not fit the lease's "
+                                    f"[{pages.swa_first_page}, +{len(pages.swa)})")
+            _check_shape("swa", p.swa, pools.swa, n_swa)
+        if pools.full.layer_ids:
+            dev = pools.full.kv.device
+            pools.full.flat()[:, torch.tensor(pages.full, device=dev)] = p.full.to(dev)
+        if pools.swa.layer_ids and n_swa:
+            dev = pools.swa.kv.device
+            pools.swa.flat()[:, torch.tensor(pages.swa[off:], device=dev)] = p.swa.to(dev)
 
     def stats(self) -> dict:
         return dict(self.counts)

@@ -14,7 +14,7 @@ import threading
 import torch
 
 from storage.pools import PageAllocator
-from storage.transfer.base import Destination, LeaseTable, coalesce
+from storage.transfer.base import Destination, LeaseTable, PoolRegion, coalesce
 
 
 class Staging:
@@ -44,20 +44,20 @@ class Staging:
     def spans(self, full_idx: list[int], swa_idx: list[int], payload, dest: Destination,
               swa_off: int) -> list[tuple[int, int, int]]:
         """(local address, remote address, nbytes) of every staged layer-page into the destination's
-        leased pages (remote pool layout [layers, num_pages, page_elems], bases in ``dest.peer``),
+        leased pages (remote pool layout [layers, num_pages, page_elems], bases in ``dest.peer.regions``),
         coalesced where both sides are contiguous."""
         pb, base = self.page_bytes, self.buf.data_ptr()
         out = []
         for comp, idx, pages in (("full", full_idx, dest.full_pages), ("swa", swa_idx, dest.swa_pages[swa_off:])):
             if not idx:
                 continue
-            peer = dest.peer[comp]
-            if peer["page_bytes"] != pb:
-                raise ValueError(f"destination {comp} pages are {peer['page_bytes']} bytes, ours {pb}")
+            region = dest.peer.regions[comp]
+            if region.page_bytes != pb:
+                raise ValueError(f"destination {comp} pages are {region.page_bytes} bytes, ours {pb}")
             n = len(pages)
             for k, s in enumerate(idx):
                 layer, i = divmod(k, n)
-                out.append((base + s * pb, peer["base"] + (layer * peer["num_pages"] + pages[i]) * pb, pb))
+                out.append((base + s * pb, region.base + (layer * region.num_pages + pages[i]) * pb, pb))
         return coalesce(out)
 
     def stats(self) -> dict:
@@ -70,11 +70,11 @@ class Staging:
             self.leases.check_integrity()
 
 
-def pool_regions(pools) -> dict:
+def pool_regions(pools) -> dict[str, PoolRegion]:
     """What a decode side publishes about its L1 pools: base address, pages per layer and page bytes."""
     out = {}
     for comp in ("full", "swa"):
         p = pools.pool(comp)
-        out[comp] = {"base": p.kv.data_ptr(), "num_pages": p.num_pages, "layers": len(p.layer_ids),
-                     "page_bytes": p.page_elems * p.kv.element_size(), "nbytes": p.kv.numel() * p.kv.element_size()}
+        out[comp] = PoolRegion(p.kv.data_ptr(), p.num_pages, len(p.layer_ids), p.page_elems * p.kv.element_size(),
+                               p.kv.numel() * p.kv.element_size())
     return out

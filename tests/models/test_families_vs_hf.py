@@ -8,7 +8,7 @@ from engine import Engine, SamplingParams
 from engine.model.loader import load_config
 from storage.config import HiCacheConfig
 from storage.l3 import L3Config
-from tests import numerics
+from tests import numerics, pd
 from tests.unit.hf_ref import hf_greedy
 
 from .families import WINDOWS
@@ -93,13 +93,7 @@ def test_prefill_on_one_engine_decode_on_another_matches_transformers(family):
     name, path, hf = family
     pre, dec = _engine(path), _engine(path)
     prompts = _prompts(name, seed=5)[2:]
-    rids = [pre.add_request(p, SP, prefill_only=True) for p in prompts]
-    while pre.has_unfinished():
-        pre.step()
-    payloads = [pre.requests[r].kv_payload for r in rids]
-    for r in rids:
-        pre.pop_finished(r)
-    drids = [dec.add_prefilled(p, kv, SP) for p, kv in zip(prompts, payloads)]
+    drids = pd.handoff(pre, dec, prompts, SP)
     while dec.has_unfinished():
         dec.step()
         dec.check_integrity()

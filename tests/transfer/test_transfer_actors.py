@@ -118,7 +118,7 @@ def test_a_write_landing_after_its_lease_ended_never_changes_another_requests_to
     try:
         before = ray.get(dec.transfer_stats.remote())["leases"]
         ids = PROMPTS[2]
-        dest = ray.get(dec.reserve.remote(len(ids), pre), timeout=60)
+        dest = ray.get(dec.reserve.remote(len(ids), "p0", pre), timeout=60)
         first_ref, _ = pre.prefill_to.remote(ids, SP, dest, dec)
         deadline = time.monotonic() + 30
         while ray.get(dec.transfer_stats.remote())["leases"]["expired"] == before["expired"]:

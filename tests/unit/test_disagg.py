@@ -1,10 +1,13 @@
-"""Prefill on one engine, decode on another: the same tokens as one engine doing both."""
+"""Prefill on one engine, decode on another (through the leased admission the cluster uses, tests/pd.py):
+the same tokens as one engine doing both."""
 import pytest
 import torch
 
 from engine import Engine, SamplingParams
 from storage.config import HiCacheConfig
-from tests import numerics
+from storage.transfer import TransferError
+from storage.transfer.ray_object import RayObjectBackend
+from tests import numerics, pd
 
 
 def _prompts():
@@ -23,13 +26,9 @@ def test_prefill_then_decode_on_another_engine_gives_identical_tokens(cache):
     pre = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=256, **kw)
     dec = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=256, **kw)
     for _round in range(2):  # the second round hits the caches of both sides
-        rids = [pre.add_request(p, sp, prefill_only=True) for p in _prompts()]
-        while pre.has_unfinished():
-            pre.step()
-            pre.check_integrity()
-        payloads = [pre.pop_finished(r) and pre_payload for r, pre_payload in
-                    [(r, pre.requests[r].kv_payload) for r in rids]]
-        drids = [dec.add_prefilled(p, kv, sp) for p, kv in zip(_prompts(), payloads)]
+        drids = pd.handoff(pre, dec, _prompts(), sp)
+        pre.check_integrity()
+        dec.check_integrity()
         while dec.has_unfinished():
             dec.step()
             dec.check_integrity()
@@ -44,21 +43,27 @@ def test_prefill_then_decode_on_another_engine_gives_identical_tokens(cache):
 def test_bad_payloads_are_rejected_and_leave_nothing_behind():
     sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
     pre = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=64)
-    rid = pre.add_request(list(range(100)), sp, prefill_only=True)
-    while pre.has_unfinished():
-        pre.step()
-    kv = pre.requests[rid].kv_payload
-    assert pre.pop_finished(rid).finish_reason == "prefill"
+    [kv] = pd.prefill(pre, [list(range(100))], sp)
+    be = RayObjectBackend()
     dec = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=64)
-    with pytest.raises(ValueError, match="kv payload"):
-        dec.add_prefilled(list(range(99)), kv, sp)
+    with pytest.raises(TransferError, match="kv of 100 tokens"):     # another prompt length
+        pd.send_and_admit(dec, list(range(99)), pd.reserve(dec, 99, be), kv, sp, be)
     other_ps = Engine.from_pretrained("strata-tiny", page_size=8, num_pages=64)
-    with pytest.raises(ValueError, match="page_size"):
-        other_ps.add_prefilled(list(range(100)), kv, sp)
+    with pytest.raises(TransferError, match="page 16 does not match the destination's 100/8"):
+        pd.send_and_admit(other_ps, list(range(100)), pd.reserve(other_ps, 100, be), kv, sp, be)
+    # A receipt that does not fit the lease it is admitted over (sent for another one) is refused at fill.
+    dest, other = pd.reserve(dec, 100, be), pd.reserve(dec, 100, be)
+    rec = be.send(kv, dest, 1.0)
+    wrong_dtype = rec._replace(packed=type(kv)(**{**vars(kv), "full": kv.full.double()}))
+    with pytest.raises(TransferError, match="dtype"):
+        dec.add_leased(list(range(100)), other.lease_id, wrong_dtype, sp, be)
+    with pytest.raises(ValueError, match="kv transfer: covers 100 tokens"):
+        dec.add_leased(list(range(99)), dest.lease_id, rec, sp, be)
+    dec.check_integrity()
     tiny = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=8, swa_full_ratio=1.0)
     held = tiny.pools.full.allocator.alloc(4)   # another request's pages: 4 left, 7 needed
     with pytest.raises(MemoryError):
-        tiny.add_prefilled(list(range(100)), kv, sp)
+        pd.send_and_admit(tiny, list(range(100)), pd.reserve(tiny, 100, be), kv, sp, be)
     tiny.pools.full.allocator.free(held)
     for e in (dec, other_ps, tiny):
-        assert e.pools.all_free() and not e.requests
+        assert e.pools.all_free() and not e.requests and e.receiver.live == 0

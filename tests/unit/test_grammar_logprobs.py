@@ -11,7 +11,7 @@ import torch
 from engine import Engine, SamplingParams
 from engine.grammar import compile_grammar
 from storage.config import HiCacheConfig
-from tests import numerics
+from tests import numerics, pd
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -65,13 +65,8 @@ def test_a_grammar_survives_prefill_on_one_engine_and_decode_on_another():
     sp = SamplingParams(max_new_tokens=60, temperature=0.8, seed=7, grammar=("json_schema", json.dumps(SCHEMA)))
     prompt = list(range(40, 70))
     pre = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=128)
-    rid = pre.add_request(prompt, sp, prefill_only=True)
-    while pre.has_unfinished():
-        pre.step()
-    kv = pre.requests[rid].kv_payload
-    pre.pop_finished(rid)
     dec = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=128)
-    drid = dec.add_prefilled(prompt, kv, sp)
+    [drid] = pd.handoff(pre, dec, [prompt], sp)
     while dec.has_unfinished():
         dec.step()
     out = dec.pop_finished(drid)

@@ -12,6 +12,7 @@ from storage.config import KVPoolConfig
 from storage.geometry import KVGeometry
 from storage.hicache import HiCache
 from storage.pools import KVPools
+from storage.transfer.base import LeasedPages
 
 PS, W = 4, 8
 LAYERS = ("sliding_attention", "full_attention")
@@ -100,24 +101,24 @@ def test_commit_borrow_and_release_share_pages_with_the_cache():
     assert kv.pools.all_free()
 
 
-def test_import_pages_and_leased_pages():
+def test_leased_pages_become_the_requests_table():
     kv, hc = make()
-    r = req_of("r", range(21))
     n_full, first, n_swa = kv.geom.plan_pages(21)
-    full, swa = kv.import_pages(r, n_full, first, n_swa, first * PS)
-    assert len(full) == n_full and r.pages.swa[first:] == swa and r.pages.swa[:first] == [None] * first
-    check(kv, hc)
-    with pytest.raises(MemoryError):
-        kv.import_pages(req_of("big", range(3)), 10**3, 0, 0, 0)
-    check(kv, hc)
-    kv.release(r)
     # A committed lease's pages (reserved from logical page `first`), the payload's window one page later.
-    lease = {"full": kv.full.alloc(n_full), "swa": kv.swa.alloc(n_swa)}
+    lease = LeasedPages("l", 21, kv.full.alloc(n_full), kv.swa.alloc(n_swa), first)
     q = req_of("q", range(21))
-    kv.import_leased(q, lease, first, first + 1, (first + 1) * PS)
-    assert q.pages.swa[first + 1:] == lease["swa"][1:] and kv.swa.num_used == n_swa - 1
+    kv.import_leased(q, lease, first + 1, (first + 1) * PS)
+    assert q.pages.full == lease.full and q.pages.swa[:first + 1] == [None] * (first + 1)
+    assert q.pages.swa[first + 1:] == lease.swa[1:] and kv.swa.num_used == n_swa - 1
     check(kv, hc)
     kv.release(q)
+    # the window where the lease began
+    lease = LeasedPages("m", 21, kv.full.alloc(n_full), kv.swa.alloc(n_swa), first)
+    r = req_of("r", range(21))
+    kv.import_leased(r, lease, first, first * PS)
+    assert r.pages.swa[first:] == lease.swa and r.pages.swa[:first] == [None] * first
+    check(kv, hc)
+    kv.release(r)
     kv.give_back({"full": kv.full.alloc(2)})
     check(kv, hc)
     assert kv.pools.all_free()

@@ -3,7 +3,7 @@ its destination pages out of the pool until its sender says it is over or is gon
 import pytest
 
 from storage.pools import PageAllocator
-from storage.transfer.base import LeaseTable, TransferError
+from storage.transfer.base import LeaseInfo, LeaseTable, TransferError
 from storage.transfer.sends import SendRecord
 
 
@@ -13,7 +13,7 @@ def _table():
 
 def test_an_expired_one_sided_lease_is_quarantined_until_its_send_ends():
     t = _table()
-    lease = t.reserve("a", {"full": 3, "swa": 2}, 0.0, 1.0, {"one_sided": True})
+    lease = t.reserve("a", {"full": 3, "swa": 2}, 0.0, 1.0, LeaseInfo(40, one_sided=True))
     assert t.expire(2.0) == [lease]
     t.check_integrity()
     # the pages are neither leased nor free: a late write lands where nobody reads
@@ -29,20 +29,20 @@ def test_an_expired_one_sided_lease_is_quarantined_until_its_send_ends():
 
 def test_a_send_that_ended_first_lets_cancel_free_at_once_and_two_sided_never_waits():
     t = _table()
-    t.reserve("a", {"full": 2, "swa": 1}, 0.0, 1.0, {"one_sided": True})
+    t.reserve("a", {"full": 2, "swa": 1}, 0.0, 1.0, LeaseInfo(40, one_sided=True))
     assert not t.send_ended("a")          # live: only marked
     assert t.cancel("a") and t.allocators["full"].num_free == 8
-    t.reserve("b", {"full": 2, "swa": 1}, 0.0, 1.0, {"one_sided": False})
+    t.reserve("b", {"full": 2, "swa": 1}, 0.0, 1.0, LeaseInfo(40, one_sided=False))
     t.cancel("b")
     assert t.allocators["full"].num_free == 8 and t.counts["quarantined"] == 0
-    t.reserve("c", {"full": 2, "swa": 1}, 0.0, 1.0, {"one_sided": True})
+    t.reserve("c", {"full": 2, "swa": 1}, 0.0, 1.0, LeaseInfo(40, one_sided=True))
     t.cancel("c")
     assert t.allocators["full"].num_free == 6 and t.release("c") and t.allocators["full"].num_free == 8
 
 
 def test_a_committed_lease_is_never_quarantined():
     t = _table()
-    t.reserve("a", {"full": 2, "swa": 1}, 0.0, 1.0, {"one_sided": True})
+    t.reserve("a", {"full": 2, "swa": 1}, 0.0, 1.0, LeaseInfo(40, one_sided=True))
     lease = t.commit("a", 0.5)
     assert t.stats()["in_quarantine"] == 0 and len(lease.pages["full"]) == 2
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from engine import Engine, SamplingParams
 from engine.sampler import RowState, processed_logits, ref_sample_row, sample
-from tests import numerics
+from tests import numerics, pd
 
 V = 40
 
@@ -108,13 +108,9 @@ def test_a_seeded_request_samples_the_same_alone_in_a_batch_and_after_prefill_el
                           SamplingParams(max_new_tokens=7, temperature=0.5, seed=9)])[1]
     numerics.assert_same_output(mixed, alone, eng.model_config, "in a batch")
     pre = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=256)
-    rid = pre.add_request(prompt, sp, prefill_only=True)
-    while pre.has_unfinished():
-        pre.step()
-    kv = pre.requests[rid].kv_payload
-    first = pre.pop_finished(rid).token_ids
     dec = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=256)
-    drid = dec.add_prefilled(prompt, kv, sp)
+    [drid] = pd.handoff(pre, dec, [prompt], sp)
+    first = dec.requests[drid].output_ids[:1]       # the prefill engine's sample, carried by the receipt
     while dec.has_unfinished():
         dec.step()
     got = dec.pop_finished(drid)

@@ -1,4 +1,4 @@
-"""Prefill->decode transfer, pure parts: the lease table, pack/unpack of the ray_object backend, and
+"""Prefill->decode transfer, pure parts: the lease table, pack/fill of the ray_object backend, and
 two engines handing KV through leased pages (no Ray)."""
 import pytest
 import torch
@@ -7,10 +7,10 @@ from engine import Engine, SamplingParams
 from storage.config import HiCacheConfig
 from storage.pools import PageAllocator
 from storage.geometry import KVGeometry
-from storage.transfer.base import Destination, LeaseTable, TransferError, coalesce
+from storage.transfer.base import LeaseTable, PeerInfo, TransferBackend, TransferError, coalesce
 from storage.transfer.config import TransferConfig
-from storage.transfer.ray_object import RayObjectBackend, pack, unpack
-from tests import numerics
+from storage.transfer.ray_object import RayObjectBackend, pack
+from tests import numerics, pd
 
 
 def _table(n_full=10, n_swa=6):
@@ -106,11 +106,6 @@ def _prompts():
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 16, 65, 200, 333)]
 
 
-def _dest(lease, backend="ray_object", ps=16):
-    return Destination(lease.lease_id, backend, lease.meta["prompt_len"], ps, lease.pages["full"],
-                       lease.pages["swa"], lease.meta["swa_first_page"], 5.0)
-
-
 @pytest.mark.numerics
 @pytest.mark.parametrize("cache", [False, True])
 def test_leased_transfer_between_engines_gives_identical_tokens_and_frees_everything(cache):
@@ -122,21 +117,12 @@ def test_leased_transfer_between_engines_gives_identical_tokens_and_frees_everyt
     dec = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=256, poison_kv=True, **kw)
     be = RayObjectBackend()
     for _round in range(2):
-        leases = [dec.reserve_kv(f"l{_round}-{i}", len(p), now=0.0, ttl=10.0) for i, p in enumerate(_prompts())]
+        dests = [pd.reserve(dec, len(p), be, now=0.0, ttl=10.0) for p in _prompts()]
         dec.check_integrity()
-        rids = [pre.add_request(p, sp, prefill_only=True) for p in _prompts()]
-        while pre.has_unfinished():
-            pre.step()
-        payloads = [pre.requests[r].kv_payload for r in rids]
-        for r in rids:
-            pre.pop_finished(r)
+        payloads = pd.prefill(pre, _prompts(), sp)
         drids = []
-        for p, kv, lease in zip(_prompts(), payloads, leases):
-            rec = be.send(kv, _dest(lease), timeout=5.0)
-            packed, rec = rec.packed, rec._replace(packed=None)
-            fill = lambda pools, l, packed=packed: unpack(packed, l.pages["full"], l.pages["swa"],
-                                                          l.meta["swa_first_page"], pools)
-            drids.append(dec.add_leased(p, lease.lease_id, rec, sp, now=1.0, fill=fill))
+        for p, kv, dest in zip(_prompts(), payloads, dests):
+            drids.append(pd.send_and_admit(dec, p, dest, kv, sp, be, now=1.0))
             dec.check_integrity()
         while dec.has_unfinished():
             dec.step()
@@ -152,37 +138,63 @@ def test_failed_commits_free_the_leased_pages():
     sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
     pre = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=64)
     dec = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=64, poison_kv=True)
+    be = RayObjectBackend()
     prompt = list(range(100))
-    rid = pre.add_request(prompt, sp, prefill_only=True)
-    while pre.has_unfinished():
-        pre.step()
-    kv = pre.requests[rid].kv_payload
-    info = RayObjectBackend().send(kv, _dest(dec.reserve_kv("x", 100, 0.0, 1.0)), 1.0)
-    dec.leases.cancel("x")
+    [kv] = pd.prefill(pre, [prompt], sp)
+    x = pd.reserve(dec, 100, be, 0.0, 1.0)
+    info = be.send(kv, x, 1.0)
+    assert dec.receiver.cancel(x.lease_id)
     # expired lease: a clean TransferError, nothing held
-    dec.reserve_kv("a", 100, now=0.0, ttl=1.0)
+    a = pd.reserve(dec, 100, be, now=0.0, ttl=1.0)
     with pytest.raises(TransferError):
-        dec.add_leased(prompt, "a", info, sp, now=2.0)
+        dec.add_leased(prompt, a.lease_id, info, sp, be, now=2.0)
     # wrong prompt for the lease: ValueError, lease gone
-    dec.reserve_kv("b", 100, now=0.0, ttl=1.0)
+    b = pd.reserve(dec, 100, be, now=0.0, ttl=1.0)
     with pytest.raises(ValueError):
-        dec.add_leased(prompt[:50], "b", info, sp, now=0.5)
+        dec.add_leased(prompt[:50], b.lease_id, info, sp, be, now=0.5)
     # a payload that does not fit (another prompt length): refused by pack
-    lease = dec.reserve_kv("c", 99, now=0.0, ttl=1.0)
+    c = pd.reserve(dec, 99, be, now=0.0, ttl=1.0)
     with pytest.raises(TransferError):
-        pack(kv, _dest(lease))
-    dec.leases.cancel("c")
+        pack(kv, c)
+    dec.receiver.cancel(c.lease_id)
+    # nothing was sent (the prefill side finished at its first token): refused, lease gone
+    n = pd.reserve(dec, 100, be, now=0.0, ttl=1.0)
+    with pytest.raises(TransferError, match="nothing was sent"):
+        dec.add_leased(prompt, n.lease_id, None, sp, be, now=0.5)
     # a failing fill frees the committed pages
-    dec.reserve_kv("d", 100, now=0.0, ttl=1.0)
+    d = pd.reserve(dec, 100, be, now=0.0, ttl=1.0)
 
-    def boom(pools, lease):
-        raise RuntimeError("copy failed")
+    class Boom(RayObjectBackend):
+        def fill(self, pools, pages, rec):
+            raise RuntimeError("copy failed")
     with pytest.raises(RuntimeError):
-        dec.add_leased(prompt, "d", info, sp, now=0.5, fill=boom)
+        dec.add_leased(prompt, d.lease_id, info, sp, Boom(), now=0.5)
+    # a receipt without its payload cannot fill a two-sided lease
+    e = pd.reserve(dec, 100, be, now=0.0, ttl=1.0)
+    with pytest.raises(TransferError, match="carries no KV"):
+        dec.add_leased(prompt, e.lease_id, info._replace(packed=None), sp, be, now=0.5)
     with pytest.raises(ValueError):
         dec.reserve_kv("e", 0, now=0.0, ttl=1.0)
     dec.check_integrity()
-    assert dec.pools.all_free() and not dec.leases.leases and not dec.requests
+    assert dec.pools.all_free() and dec.receiver.live == 0 and not dec.requests
+
+
+def test_tick_expires_and_names_quarantined_senders_at_most_once_a_second():
+    dec = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=64)
+    r = dec.receiver
+    r.reserve("a", 40, 0.0, 1.0, one_sided=True, sender="p0")
+    r.reserve("b", 40, 0.0, 1.0, one_sided=True)            # no sender known: nobody to ask
+    r.reserve("c", 40, 0.0, 5.0, one_sided=False, sender="p1")
+    sweep = r.tick(0.5)
+    assert sweep.expired == [] and sweep.probe == []
+    sweep = r.tick(1.0)
+    assert sweep.expired == ["a", "b"] and sweep.quarantined == ["a", "b"] and sweep.probe == [("a", "p0")]
+    dec.check_integrity()
+    assert r.tick(1.5).probe == [] and r.tick(2.0).probe == [("a", "p0")]
+    assert r.release("a") and r.send_ended("b") and r.tick(3.0) == ([], [], [])
+    assert r.tick(5.0).expired == ["c"]                      # two-sided: free at once, never quarantined
+    dec.check_integrity()
+    assert dec.pools.all_free() and r.stats()["in_quarantine"] == 0
 
 
 def test_reserve_refuses_what_the_pools_cannot_hold():
@@ -191,50 +203,64 @@ def test_reserve_refuses_what_the_pools_cannot_hold():
     with pytest.raises(MemoryError):
         dec.reserve_kv("b", 200, 0.0, 1.0)
     dec.check_integrity()
-    dec.leases.expire(1.0)
+    assert dec.receiver.tick(1.0).expired == ["a"]
     assert dec.pools.all_free()
+
+
+class MemmoveBackend(TransferBackend):
+    """A one-sided backend in one process: ``send`` stages the payload and does the WRITE of each descriptor
+    by memmove, straight into the decode engine's leased pages (the address arithmetic of NIXL and
+    Mooncake); the decode side's ``fill`` is the base's: the data is in place."""
+
+    name = "memmove"
+    one_sided = True
+
+    def __init__(self, pre_pools, dec_pools) -> None:
+        from storage.transfer.staging import Staging, pool_regions
+        self.staging = Staging(256, pre_pools)
+        self.peer = PeerInfo(regions=pool_regions(dec_pools))
+        self.n = 0
+
+    def peer_info(self) -> PeerInfo:
+        return self.peer
+
+    def send(self, payload, dest, timeout):
+        import ctypes
+
+        from storage.transfer.base import check_fits, receipt
+        off = check_fits(payload, dest)
+        self.n += 1
+        full_idx, swa_idx = self.staging.stage(f"s{self.n}", payload, 0.0, 5.0)
+        spans = self.staging.spans(full_idx, swa_idx, payload, dest, off)
+        assert sum(n for _, _, n in spans) == payload.nbytes
+        for src, dst, n in spans:
+            ctypes.memmove(dst, src, n)
+        assert self.staging.release(f"s{self.n}")
+        return receipt(payload, descriptors=len(spans))
 
 
 @pytest.mark.numerics
 def test_staging_descriptors_land_each_layer_page_in_the_leased_page():
     """The address arithmetic of the one-sided backends, with the WRITE done by memmove in-process: the
     decode engine then produces exactly the tokens of one engine doing both."""
-    import ctypes
-
-    from storage.transfer.base import check_fits, receipt
-    from storage.transfer.staging import Staging, pool_regions
     sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
     prompts = _prompts()
     want = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=128).generate(prompts, numerics.with_logits(sp))
     pre = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=128)
     dec = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=128, poison_kv=True)
-    dec.reserve_kv("pad", 40, 0.0, 10.0)      # so leased page indices are not simply 0, 1, 2...
-    staging = Staging(256, pre.pools)
-    rids = [pre.add_request(p, sp, prefill_only=True) for p in prompts]
-    while pre.has_unfinished():
-        pre.step()
-    got = []
-    for i, (p, rid) in enumerate(zip(prompts, rids)):
-        kv = pre.requests[rid].kv_payload
-        lease = dec.reserve_kv(f"l{i}", len(p), 0.0, 10.0)
-        dest = _dest(lease, backend="nixl")
-        dest.peer = pool_regions(dec.pools)
-        off = check_fits(kv, dest)
-        full_idx, swa_idx = staging.stage(f"s{i}", kv, 0.0, 5.0)
-        spans = staging.spans(full_idx, swa_idx, kv, dest, off)
-        assert sum(n for _, _, n in spans) == kv.nbytes
-        for src, dst, n in spans:
-            ctypes.memmove(dst, src, n)
-        assert staging.release(f"s{i}")
-        rid2 = dec.add_leased(p, lease.lease_id, receipt(kv), sp, now=1.0)
-        while dec.has_unfinished():
-            dec.step()
-        got.append(dec.pop_finished(rid2))
-        dec.check_integrity()
+    be = MemmoveBackend(pre.pools, dec.pools)
+    pad = pd.reserve(dec, 40, be, 0.0, 10.0)      # so leased page indices are not simply 0, 1, 2...
+    rids = pd.handoff(pre, dec, prompts, sp, be, now=1.0)
+    dec.check_integrity()
+    while dec.has_unfinished():
+        dec.step()
+    got = [dec.pop_finished(rid) for rid in rids]
+    dec.check_integrity()
     numerics.assert_same_outputs(got, want, dec.model_config, "staged")
-    staging.check_integrity()
-    assert staging.stats()["staging_pages_used"] == 0
-    dec.leases.cancel("pad")
+    be.staging.check_integrity()
+    assert be.staging.stats()["staging_pages_used"] == 0
+    dec.receiver.cancel(pad.lease_id)                 # one-sided, its send never ended: quarantined
+    assert not dec.pools.all_free() and dec.receiver.send_ended(pad.lease_id)
     assert dec.pools.all_free()
 
 
