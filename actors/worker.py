@@ -61,7 +61,9 @@ class WorkerActor:
         self.tcfg = transfer_cfg or TransferConfig()
         self.transfer = None
         self.sends = SendRecord()
-        self.senders: dict[str, object] = {}    # decode side: prefill worker id -> its actor handle
+        # The peers' actor handles by worker id (the prefill workers that send here, the decode workers this
+        # one sends to): storage/ and engine/ name a peer by its id only.
+        self.peers: dict[str, ActorHandle] = {}
         if role != "colocated":
             self.transfer = make_backend(self.tcfg, role, self.core.engine.pools, f"strata-{worker_id}-{uuid.uuid4().hex[:8]}")
             self.transfer.on_send_ended = self._send_ended
@@ -120,7 +122,7 @@ class WorkerActor:
     def _probe(self, lease_id: str, sender: str) -> None:
         """A sender that says its send into ``lease_id`` cannot write any more, or is dead (a restart is a
         new process: the old one's transfers died with it), frees the quarantined pages."""
-        handle = self.senders.get(sender)
+        handle = self.peers.get(sender)
         if handle is None:
             return
         try:
@@ -141,9 +143,12 @@ class WorkerActor:
 
     def _send_ended(self, lease_id: str) -> None:
         """A send that could not be aborted is over (a backend thread): tell its decode worker."""
-        notify = self.sends.end(lease_id)
-        if notify is not None:
-            notify.transfer_ended.remote(lease_id)
+        self._tell_ended(self.sends.end(lease_id), lease_id)
+
+    def _tell_ended(self, decode: str | None, lease_id: str) -> None:
+        handle = self.peers.get(decode) if decode else None
+        if handle is not None:
+            handle.transfer_ended.remote(lease_id)
 
     def _l3_segment_loop(self, storage, store, every: float) -> None:
         wait = 0.0
@@ -167,7 +172,7 @@ class WorkerActor:
             raise TypeError(f"reserve: sender is the prefill worker's id (its handle goes in sender_handle), "
                             f"got {type(sender).__name__}")
         if sender_handle is not None:
-            self.senders[sender] = sender_handle
+            self.peers[sender] = sender_handle
         lease_id = f"{self.worker_id}/{uuid.uuid4().hex[:12]}"
         now, ttl, one_sided = time.monotonic(), self.tcfg.lease_seconds, self.transfer.one_sided
         # Admitted like a request (a flush's hold makes it wait): a lease is the start of one.
@@ -197,7 +202,9 @@ class WorkerActor:
         the object store as this task's second return (the backend's ray.put half), and the decode worker
         reads it from there. ``notify``: the decode worker, told when the send is over so quarantined
         pages can go back."""
-        self.sends.begin(dest.lease_id, notify)
+        if notify is not None:
+            self.peers[dest.worker_id] = notify
+        self.sends.begin(dest.lease_id, dest.worker_id if notify is not None else "")
         in_flight = False
         try:
             return await self._prefill_send(ids, params, dest)
@@ -205,8 +212,10 @@ class WorkerActor:
             in_flight = e.in_flight       # its end is reported by the backend (_send_ended)
             raise
         finally:
-            if not in_flight and self.sends.end(dest.lease_id) is not None and self.transfer.one_sided:
-                notify.transfer_ended.remote(dest.lease_id)
+            if not in_flight:
+                decode = self.sends.end(dest.lease_id)
+                if self.transfer.one_sided:
+                    self._tell_ended(decode, dest.lease_id)
 
     async def _prefill_send(self, ids: list[int], params: SamplingParams,
                             dest: Destination) -> tuple[StreamItem, Receipt | None]:

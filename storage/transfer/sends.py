@@ -4,7 +4,7 @@ A decode worker holding a quarantined lease asks the sender whether a send into 
 (``pending``). The answer must stay true: a "no" for a send that has not started yet would let the
 decode side reuse the pages and the send start later. So a "no" also *refuses* the lease: a send that
 ``begin``s after it is refused raises instead of writing. Both calls run on the worker's event loop, so
-they never interleave. Plain (no Ray, no clock): the worker shell drives it."""
+they never interleave. Plain (no Ray, no clock): whom to tell is a worker id; the worker shell holds the handles."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -16,17 +16,18 @@ MAX_REFUSED = 4096     # refused ids remembered (a refused lease is never sent t
 
 class SendRecord:
     def __init__(self) -> None:
-        self.sending: dict[str, object] = {}           # lease id -> whom to tell when it ends
+        self.sending: dict[str, str] = {}              # lease id -> the decode worker to tell when it ends
         self.refused: OrderedDict[str, None] = OrderedDict()
 
-    def begin(self, lease_id: str, notify=None) -> None:
+    def begin(self, lease_id: str, notify: str = "") -> None:
         """Before any work for a send into ``lease_id``; TransferError if the decode side gave it up."""
         if lease_id in self.refused:
             raise TransferError(f"lease {lease_id}: the decode side gave it up before the send began")
         self.sending[lease_id] = notify
 
-    def end(self, lease_id: str):
-        """The send is over (nothing more can be written); returns whom to tell."""
+    def end(self, lease_id: str) -> str | None:
+        """The send is over (nothing more can be written); returns whom to tell (its id; "" for nobody),
+        None when no such send was recorded."""
         return self.sending.pop(lease_id, None)
 
     def pending(self, lease_id: str, in_flight: set[str]) -> bool:
