@@ -1,4 +1,4 @@
-"""Unified SWA-aware radix tree (storage/radix.py): one test per operation, then a stateful test that
+"""Unified SWA-aware radix tree (storage/radix/): one test per operation, then a stateful test that
 drives the tree with real PageAllocators and checks every invariant after every step."""
 from __future__ import annotations
 
@@ -824,7 +824,7 @@ test_tree_machine = TreeMachine.TestCase
 
 class SlruTreeMachine(TreeMachine):
     """The same machine over a segmented-LRU tree (prefix_eviction: slru): every invariant holds, the
-    protected share included (radix_lru.py consistent())."""
+    protected share included (storage/radix/lru.py consistent())."""
 
     EVICTION = "slru"
 

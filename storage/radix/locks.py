@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from storage.radix_node import COMPONENTS, FULL, L1, L2, SWA, Node
+from storage.radix.node import COMPONENTS, FULL, L1, L2, SWA, Node
 
 if TYPE_CHECKING:
-    from storage.radix_lru import LRUIndex
+    from storage.radix.lru import LRUIndex
 
 
 class LockOps:

@@ -10,7 +10,7 @@ from itertools import islice, repeat
 from operator import is_not
 from typing import Optional, Sequence
 
-from storage.radix_node import FULL, L1, SWA, InsertResult, Node
+from storage.radix.node import FULL, L1, SWA, InsertResult, Node
 from storage.tokens import same_run
 
 

@@ -12,7 +12,7 @@ from collections import Counter
 from typing import Iterator, Protocol
 
 from storage.hashing import KEY_BYTES
-from storage.radix_node import COMPONENTS, FULL, L1, L2, PAGE_TIERS, SWA, Node
+from storage.radix.node import COMPONENTS, FULL, L1, L2, PAGE_TIERS, SWA, Node
 
 
 class TreeView(Protocol):

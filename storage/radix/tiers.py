@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
-from storage.radix_node import COMPONENTS, FULL, L1, L2, L3, PAGE_TIERS, SWA, Freed, Node
+from storage.radix.node import COMPONENTS, FULL, L1, L2, L3, PAGE_TIERS, SWA, Freed, Node
 
 if TYPE_CHECKING:
-    from storage.radix_lru import LRUIndex
+    from storage.radix.lru import LRUIndex
 
 OnEvict = Callable[[Node, str, str], None]
 """``on_evict(node, component, tier)``: called before a victim's data is dropped."""

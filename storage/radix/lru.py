@@ -32,7 +32,7 @@ import heapq
 import itertools
 from typing import Iterator, Optional
 
-from storage.radix_node import Node
+from storage.radix.node import Node
 
 _Key = tuple  # (protected, access time, -end, id)
 

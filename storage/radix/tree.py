@@ -50,14 +50,14 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from storage.hashing import DEFAULT_SEED, Seed, page_keys, root_key
-from storage.radix_check import check_tree
-from storage.radix_locks import LockOps
-from storage.radix_lru import SLRU_PROTECTED, LRUIndex
-from storage.radix_node import (COMPONENTS, FULL, L1, L2, L3, PAGE_TIERS, SWA, TIERS, Freed, InsertResult,
+from storage.radix.check import check_tree
+from storage.radix.locks import LockOps
+from storage.radix.lru import SLRU_PROTECTED, LRUIndex
+from storage.radix.node import (COMPONENTS, FULL, L1, L2, L3, PAGE_TIERS, SWA, TIERS, Freed, InsertResult,
                                 KVEvent, MatchResult, Node, SLOT)
-from storage.radix_tiers import OnEvict, TierOps
-from storage.radix_view import ReadOps
-from storage.radix_walk import WalkOps, _run
+from storage.radix.tiers import OnEvict, TierOps
+from storage.radix.view import ReadOps
+from storage.radix.walk import WalkOps, _run
 from storage.sequence_keys import SequenceKeys
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
-from storage.radix_node import COMPONENTS, L1, Node
+from storage.radix.node import COMPONENTS, L1, Node
 
 if TYPE_CHECKING:
-    from storage.radix_lru import LRUIndex
+    from storage.radix.lru import LRUIndex
 
 
 class ReadOps:
