@@ -2,7 +2,7 @@
 the KV events, kept exact by one method (``Tiers.set``), and the checked verbs a tier controller
 (storage/hicache/) records its loads, backups and L3 writes with.
 
-It enforces the data rules of storage/radix/tree.py's module doc ("Existence", "L1 closure",
+It enforces the data rules of storage/radix/tree.py's module doc ("Existence", "L1 is closed towards the root",
 "Tombstones") at the level of one node; removing what lost its last full copy is the tree's (structure).
 """
 from __future__ import annotations

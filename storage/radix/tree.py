@@ -346,6 +346,27 @@ class RadixTree:
                 self._keep_windows(cur, ends)
         return res
 
+    def _absorb(self, node: Node, i: int, full: list, swa: list, toks: Optional[list],
+                res: InsertResult, now: float) -> None:
+        """Merge the caller's pages ``[i, i + node.num_pages)`` into an existing node (insert's step)."""
+        k = node.num_pages
+        mine = full[i:i + k]
+        have = node.l1_full
+        if have is None:
+            self.tiers.set(node, FULL, L1, mine)  # the parent was absorbed just before: L1 closure holds
+        elif mine != have:   # usually the same pages: the caller borrowed them from the tree
+            res.free_full.extend(p for p, q in zip(mine, have) if p != q)
+        mine = swa[i:i + k]
+        have = node.l1_swa
+        if have is None:
+            if mine[0] is not None:  # uniform by the run cut: un-tombstone / load with the caller's
+                node.swa_access = now  # fresh data, as a new node's
+                self.tiers.set(node, SWA, L1, mine)
+        elif mine != have:
+            res.free_swa.extend(p for p, q in zip(mine, have) if p is not None and p != q)
+        if node.tokens is None and toks is not None:
+            node.tokens = toks[i * self.page_size:(i + k) * self.page_size]
+
     def _keep_windows(self, last: Node, ends: dict[int, int]) -> None:
         """Raise ``swa_keep`` to ``ends[e]`` on the nodes covering the window ``[e - W, e)`` before each
         page index ``e`` on the path to ``last`` (which ends at or after every e), splitting nodes so
@@ -436,28 +457,6 @@ class RadixTree:
         self.num_nodes += 1
         self.lru.refresh(up)
         return up
-
-
-    def _absorb(self, node: Node, i: int, full: list, swa: list, toks: Optional[list],
-                res: InsertResult, now: float) -> None:
-        """Merge the caller's pages ``[i, i + node.num_pages)`` into an existing node (insert's step)."""
-        k = node.num_pages
-        mine = full[i:i + k]
-        have = node.l1_full
-        if have is None:
-            self.tiers.set(node, FULL, L1, mine)  # the parent was absorbed just before: L1 closure holds
-        elif mine != have:   # usually the same pages: the caller borrowed them from the tree
-            res.free_full.extend(p for p, q in zip(mine, have) if p != q)
-        mine = swa[i:i + k]
-        have = node.l1_swa
-        if have is None:
-            if mine[0] is not None:  # uniform by the run cut: un-tombstone / load with the caller's
-                node.swa_access = now  # fresh data, as a new node's
-                self.tiers.set(node, SWA, L1, mine)
-        elif mine != have:
-            res.free_swa.extend(p for p, q in zip(mine, have) if p is not None and p != q)
-        if node.tokens is None and toks is not None:
-            node.tokens = toks[i * self.page_size:(i + k) * self.page_size]
 
     # ------------------------------------------------------------------ locks (locks.py)
 
