@@ -5,7 +5,7 @@ and the stats it counts into -- and knows nothing of the cache above it or of L3
 backup says what follows it (``then``, e.g. the write to L3 once the L2 copy is complete).
 
 SWA data is backed up only where the tree keeps it (``swa_keep``: the window before a sequence end, a
-branch point or a checkpoint; storage/radix/tree.py, "Retention"): the interior sliding KV the engine leaves
+branch point or a checkpoint; storage/radix.py, "Retention"): the interior sliding KV the engine leaves
 in L1 is evictable there and recomputed rather than moved, so L2 and L3 hold one window per kept point. The SWA-oblivious baseline of the benches (``swa_backup="all"``) is a
 subclass in bench/swa_oblivious.py, registered in ``HOST_TIERS`` by that module; the hooks it overrides
 (``reserved``, ``released``, ``owners``, ``check_extra``) do nothing here.
