@@ -1,6 +1,6 @@
 """The global prefix index and the route policy (pure: no Ray; the router actor holds one of these).
 
-Workers publish KV events (storage/radix_node.KVEvent: pages stored/removed per tier and component);
+Workers publish KV events (storage/radix/node.KVEvent: pages stored/removed per tier and component);
 the shared L3 store publishes its writes and evictions the same way under the worker id ``L3``. The
 index answers, per prefill worker, how much of a prompt that worker could serve from cache: full pages
 it holds in L1/L2 or L3 has, usable only up to a point where the last window of SWA pages is also held

@@ -4,7 +4,7 @@ held, for three retentions of the sliding KV on the same engine (strata-tiny: wi
 * ``window-only``: what strata kept before [branch] (a request's last window; interior sliding KV never
   stored) -- ``KVManager.retain_interior = False``, set here only;
 * ``strata``: interior sliding KV cached as evictable tree data, kept windows at sequence ends, branch
-  points and checkpoints (storage/radix.py, "Retention");
+  points and checkpoints (storage/radix/tree.py, "Retention");
 * ``swa-oblivious``: every sliding page kept as long as its full page (an SWA pool as large as the full
   one, so SWA pressure never evicts).
 

@@ -11,7 +11,7 @@ import time
 
 from actors.routing import PrefixIndex, RouterConfig, prompt_keys, route
 from bench.common import table, write_json
-from storage.radix_node import KVEvent
+from storage.radix.node import KVEvent
 from storage.geometry import KVGeometry
 
 

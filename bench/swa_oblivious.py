@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from storage.hicache import HOST_TIERS, HostTier
 from storage.pools import FULL, SWA
-from storage.radix_node import Node, L2
+from storage.radix.node import Node, L2
 
 SETUP_HOOK = "bench.swa_oblivious.register"
 

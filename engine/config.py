@@ -28,7 +28,7 @@ class EngineConfig:
     debug_integrity: bool = False        # debug: check every invariant after each step (AsyncEngine)
     torch_threads: int = 0               # intra-op threads for this process; 0 keeps torch's default
     enable_prefix_cache: bool = False
-    prefix_eviction: str = "slru"        # slru | lru (slru: never-reused pages go first; storage/radix_lru.py)
+    prefix_eviction: str = "slru"        # slru | lru (slru: never-reused pages go first; storage/radix/lru.py)
     # Tokens between kept SWA windows of a prompt (checkpoints, where a later prompt may branch off): 0 is
     # one window kept per four windows of prompt (KVGeometry.checkpoint_pages); rounded down to pages.
     swa_checkpoint_interval: int = 0

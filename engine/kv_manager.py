@@ -8,7 +8,7 @@ Operations, in a request's life:
   writes the sliding KV of its positions before the window (*interior* pages) when SWA room allows,
   without evicting a kept window for it, and ``commit`` hands them to the tree after every chunk: out
   of the window they are evictable, matchable tree data, so a later prompt branching off inside this
-  one finds the window before its branch point (storage/radix.py, "Retention");
+  one finds the window before its branch point (storage/radix/tree.py, "Retention");
 * ``import_leased`` -- pages a P/D transfer filled under a lease (engine/pd.py);
 * ``commit``  -- hand the request's whole pages to the prefix cache (a prompt just prefilled, or the
   finished sequence), keeping them as borrowed pages or giving up the rest;
@@ -278,7 +278,7 @@ class KVManager:
     def commit(self, req: "Request", finished: bool = False, keep_end: bool = True) -> None:
         """Insert the request's whole computed pages into the prefix cache (no-op without one).
 
-        The windows kept for later branches (storage/radix.py, "Retention"): before the end unless
+        The windows kept for later branches (storage/radix/tree.py, "Retention"): before the end unless
         ``keep_end`` is False (a prompt's chunk, committed so its interior sliding KV becomes the tree's),
         before each of the request's message boundaries (``Request.boundaries``) and every
         ``checkpoint_pages`` pages of what this commit adds.

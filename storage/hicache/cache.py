@@ -36,7 +36,7 @@ from storage.hicache.write import write_policy
 from storage.l3 import make_store
 from storage.pools import COMPONENTS, FULL, SWA, KVPools
 from storage.radix import RadixTree
-from storage.radix_node import L1, L3, Node
+from storage.radix.node import L1, L3, Node
 
 
 class HiCache:

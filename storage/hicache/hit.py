@@ -7,7 +7,7 @@ from typing import Callable, Optional
 
 from storage.copier import LayerFuture
 from storage.sequence_keys import SequenceKeys
-from storage.radix_node import Node
+from storage.radix.node import Node
 
 NO_TIERS = {"L1": 0, "L2": 0, "L3": 0}   # placeholder until a hit is complete (never mutated)
 

@@ -21,7 +21,7 @@ from storage.hicache.tier import free_pages
 from storage.host import HostPool, HostPools
 from storage.pools import COMPONENTS, FULL, SWA, KVPools
 from storage.radix import RadixTree
-from storage.radix_node import L1, L2, Node
+from storage.radix.node import L1, L2, Node
 
 Then = Optional[Callable[[Node, str], None]]
 

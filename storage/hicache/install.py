@@ -12,7 +12,7 @@ from storage.hicache.l1 import L1Space
 from storage.hicache.prefetch import Fetched
 from storage.pools import FULL, SWA, KVPools
 from storage.radix import RadixTree
-from storage.radix_node import Node
+from storage.radix.node import Node
 
 
 class Installed(NamedTuple):

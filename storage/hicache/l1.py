@@ -5,7 +5,7 @@ from __future__ import annotations
 from storage.hicache.tier import free_pages
 from storage.pools import KVPools
 from storage.radix import RadixTree
-from storage.radix_node import L1
+from storage.radix.node import L1
 
 
 class L1Space:

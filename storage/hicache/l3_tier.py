@@ -17,7 +17,7 @@ from storage.l3.base import L3Store
 from storage.l3.config import L3Config
 from storage.pools import FULL, SWA
 from storage.radix import RadixTree
-from storage.radix_node import Node
+from storage.radix.node import Node
 
 
 class L3Tier:

@@ -18,7 +18,7 @@ from storage.hicache.hit import PrefixHit
 from storage.hicache.l1 import L1Space
 from storage.pools import FULL, SWA, KVPools
 from storage.radix import RadixTree
-from storage.radix_node import Node
+from storage.radix.node import Node
 
 
 def gather_l1(hit: PrefixHit, nodes, n: int, window_pages: int) -> None:

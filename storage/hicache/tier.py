@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from storage.pools import KVPools
-from storage.radix_node import L1, Freed, Node
+from storage.radix.node import L1, Freed, Node
 
 
 class Tier(Protocol):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from storage.config import HiCacheConfig
-from storage.radix_node import L1, Node
+from storage.radix.node import L1, Node
 
 
 class WritePolicy:

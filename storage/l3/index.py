@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from storage.l3.base import key_digest, l3_key
-from storage.radix_node import L3, KVEvent
+from storage.radix.node import L3, KVEvent
 
 
 class L3NameIndex:

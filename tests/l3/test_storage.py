@@ -17,7 +17,7 @@ from storage.config import HiCacheConfig
 from storage.hashing import page_keys
 from storage.l3 import L3Config, l3_key, make_store
 from storage.l3.index import L3NameIndex
-from storage.radix_node import KVEvent
+from storage.radix.node import KVEvent
 
 from .conftest import MOONCAKE_TEST, random_pages
 from tests import numerics

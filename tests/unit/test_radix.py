@@ -1,4 +1,4 @@
-"""Unified SWA-aware radix tree (storage/radix.py): one test per operation, then a stateful test that
+"""Unified SWA-aware radix tree (storage/radix/): one test per operation, then a stateful test that
 drives the tree with real PageAllocators and checks every invariant after every step."""
 from __future__ import annotations
 
@@ -454,12 +454,12 @@ def test_check_integrity_catches_corruption(tamper):
     elif tamper == "lock":
         n.lock[FULL] = 1  # not in the registry, and the parent is not locked
     elif tamper == "lru":
-        t._lru[(SWA, L1)].discard(p)
+        t.lru[(SWA, L1)].discard(p)
     elif tamper == "key":
         p.children = {b"x" * 16: n}
     elif tamper == "no_full":
         n.l1[FULL] = None
-        t._size[(FULL, L1)] -= 2
+        t.tiers._sizes[(FULL, L1)] -= 2
         p.child_full[L1] -= 1
     elif tamper == "closure":
         p.l2[FULL], p.l1[FULL] = p.l1[FULL], None
@@ -824,7 +824,7 @@ test_tree_machine = TreeMachine.TestCase
 
 class SlruTreeMachine(TreeMachine):
     """The same machine over a segmented-LRU tree (prefix_eviction: slru): every invariant holds, the
-    protected share included (radix_lru.py consistent())."""
+    protected share included (storage/radix/lru.py consistent())."""
 
     EVICTION = "slru"
 
@@ -861,6 +861,6 @@ def test_slru_heaps_stay_bounded_under_repeated_touches():
         t.insert(k, [2 * i, 2 * i + 1], now=i)
     for step in range(5000):
         t.match_prefix(keys[step % 8], now=10 + step)
-    lru = t._lru[(FULL, L1)]
+    lru = t.lru[(FULL, L1)]
     assert lru.protected_pages == 16 and len(lru._heap) <= 2 * 8 + 64 + 1 and len(lru._pheap) <= 2 * 8 + 64 + 1
     t.check_integrity()

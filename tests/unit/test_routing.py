@@ -2,7 +2,7 @@
 import pytest
 
 from actors.routing import L3_WORKER, NoWorkerError, PrefixIndex, RouterConfig, pick_decode, prompt_keys, route
-from storage.radix_node import KVEvent
+from storage.radix.node import KVEvent
 from storage.geometry import KVGeometry
 
 

@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 
 from actors.routing import PrefixIndex, RouterConfig, prompt_keys, route
-from storage.radix_node import KVEvent
+from storage.radix.node import KVEvent
 from storage.geometry import KVGeometry
 
 CFG = RouterConfig()

@@ -1,4 +1,4 @@
-"""Value types of the unified radix tree (storage/radix.py): nodes, results, KV events.
+"""Value types of the unified radix tree (storage/radix/tree.py): nodes, results, KV events.
 
 Units: every length here is in **pages** (``page_size`` tokens each) unless it says tokens; page
 indices are indices into the L1 pools (storage/pools.py) or the L2 host pool of one component.
@@ -19,7 +19,7 @@ PAGE_TIERS = (L1, L2)
 """Tiers whose data the tree holds as page indices (L3 is a presence flag: the store owns the bytes)."""
 
 __all__ = ["COMPONENTS", "FULL", "SWA", "L1", "L2", "L3", "TIERS", "PAGE_TIERS",
-           "Node", "KVEvent", "Freed", "MatchResult", "InsertResult"]
+           "Node", "KVEvent", "Freed", "MatchResult", "InsertResult", "check_live"]
 
 _ids = itertools.count()
 
@@ -97,10 +97,10 @@ class Node:
         # "Retention"): SWA-pool pressure takes lower levels first. 0 once the node is a SWA tombstone.
         self.swa_keep = 0
         self.hit_count = 0
-        self.demoted_hits = 0   # hit_count when segmented LRU last demoted it (radix_lru.py)
+        self.demoted_hits = 0   # hit_count when segmented LRU last demoted it (lru.py)
         self.child_l1 = self.child_l2 = 0
         self.removed = False
-        self.lru_in = 0   # bit i: a member of the tree's LRU list i (radix_lru.py LRUIndex.bit)
+        self.lru_in = 0   # bit i: a member of the tree's LRU list i (lru.py LRUIndex.bit)
 
     l1 = _view({FULL: "l1_full", SWA: "l1_swa"}, "L1 page indices by component.")
     l2 = _view({FULL: "l2_full", SWA: "l2_swa"}, "L2 page indices by component.")
@@ -170,6 +170,12 @@ class Node:
         data = ",".join(f"{c}:{''.join(t[1] for t in TIERS if self.has(c, t)) or '-'}" for c in COMPONENTS)
         return (f"Node(id={self.id}, pages=[{self.depth},{self.end}), {data}, "
                 f"lock={self.lock_full}/{self.lock_swa})")
+
+
+def check_live(node: Node, root: Node) -> None:
+    """Raise ValueError unless ``node`` is ``root`` or a node of its tree (not removed, not detached)."""
+    if node.removed or (node is not root and node.parent is None):
+        raise ValueError(f"{node!r} is not in the tree")
 
 
 class KVEvent(NamedTuple):

@@ -1,4 +1,15 @@
-"""Eviction order of the radix tree: one LRUIndex per (component, tier).
+"""Eviction order of the radix tree: one LRUIndex per (component, tier), and the tree's four of them
+(``LRULists``) with the rule of which nodes belong to which.
+
+**Membership** (``LRULists.refresh``). Full lists order by ``last_access``, SWA lists by ``swa_access``: a
+match or insert touches the whole path for full but only the nodes inside the window before its end for
+SWA (storage/radix/tree.py), so the stale windows of earlier turns on the path age and SWA eviction takes
+them before the live one. A node is in the (c, L1) list iff it holds c in L1 and is unlocked for c, and,
+for full, no child holds full L1 (evict from the leaves, as removing or demoting a parent first would
+break L1 closure). It is in the (c, L2) list iff it holds c in L2 but not in L1 (L2 is its top copy --
+never in both lists for the same data), is unlocked for c, and, for full, no child holds full L1 or L2.
+SWA has no leaf condition: tombstoning an internal node is harmless, and a window shares one timestamp,
+so children still go first.
 
 A binary heap with lazy deletion instead of an OrderedDict: nodes *enter* a list at arbitrary times
 (a parent becomes a leaf when its last child is evicted) with an old access time, and an
@@ -18,7 +29,7 @@ members may hold at most ``protect`` of the list's pages: past that, the least r
 
 **Kept windows first-kept** (``keep_first``; the SWA lists). A SWA member whose ``swa_keep`` is set (the
 window before a point where traffic branches or resumes: a sequence end, a branch point, a message end,
-a checkpoint; storage/radix.py) goes after every member that is not, and a checkpoint's (level 1) before
+a checkpoint; storage/radix/tree.py) goes after every member that is not, and a checkpoint's (level 1) before
 the others' (level 2): interior sliding KV, which no match can start
 from unless the pages before a later point are all present, is what SWA-pool pressure takes first. No
 cap: kept windows are a bounded share of the SWA data by construction (one window per kept point).
@@ -32,12 +43,15 @@ import heapq
 import itertools
 from typing import Iterator, Optional
 
-from storage.radix_node import Node
+from storage.radix.node import COMPONENTS, FULL, L1, L2, PAGE_TIERS, SWA, Node
 
 _Key = tuple  # (protected, access time, -end, id)
 
 SLRU_PROTECTED = 0.8
 """Share of a segmented list's pages protected members may hold (``prefix_eviction: slru``)."""
+
+EVICTIONS = ("lru", "slru")
+"""Order of the full lists: plain LRU, or segmented LRU (never-reused data first; see the module doc)."""
 
 
 def lru_key(node: Node, stamp: str = "last_access", protect: bool = False, keep_first: bool = False) -> _Key:
@@ -203,3 +217,80 @@ class LRUIndex:
                 and protected == self._prot and self.protected_pages == sum(protected.values())
                 and self.num_pages == sum(e[3] for e in members.values())
                 and set(self._prot) <= {n.id for k, seq, n in self._pheap if self._live(seq, n) is not None})
+
+
+class LRULists:
+    """The four LRU lists of one tree, (component, tier) for component in (full, swa) and tier in (L1, L2),
+    and the membership rule of the module doc. The tree's data changes (tiers.py), locks (locks.py) and
+    structure changes (tree.py) call ``refresh`` on what they touched; its hot loops read ``full`` and
+    ``swa`` (the L1 and L2 lists of a component) and test a node's ``lru_in`` against their bits
+    themselves, since a method call per node was most of a match's cost.
+
+    ``eviction``: ``"lru"``, or ``"slru"`` for segmented full lists (the module doc). SLRU orders the full
+    lists only: SWA recency already follows the live window.
+    """
+
+    def __init__(self, root: Node, eviction: str = "lru") -> None:
+        if eviction not in EVICTIONS:
+            raise ValueError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
+        self.root = root   # never a member: refresh ignores it
+        protect = SLRU_PROTECTED if eviction == "slru" else 0.0
+        self.lists = {(c, t): LRUIndex(f"{c}/{t}", "last_access" if c == FULL else "swa_access",
+                                       protect if c == FULL else 0.0, 1 << i, keep_first=c == SWA)
+                      for i, (c, t) in enumerate((c, t) for c in COMPONENTS for t in PAGE_TIERS)}
+        self.full = (self.lists[(FULL, L1)], self.lists[(FULL, L2)])
+        self.swa = (self.lists[(SWA, L1)], self.lists[(SWA, L2)])
+
+    def __getitem__(self, key: tuple[str, str]) -> LRUIndex:
+        return self.lists[key]
+
+    def touch(self, node: Node, component: str) -> None:
+        """Re-key ``node`` in the lists of ``component`` it is a member of (its access time changed)."""
+        for lru in (self.full if component == FULL else self.swa):
+            lru.touch(node)
+
+    def discard(self, node: Node) -> None:
+        """``node`` leaves the tree (removed, or joined into its child): out of every list."""
+        for lru in self.lists.values():
+            lru.discard(node)
+
+    def resize(self, node: Node, old_pages: int) -> None:
+        """``node`` was split or joined: its page count changed from ``old_pages`` in every list it is in."""
+        for lru in self.lists.values():
+            lru.resize(node, old_pages)
+
+    def refresh(self, node: Node, component: Optional[str] = None) -> None:
+        """Re-file ``node`` in the lists of ``component`` (default: both) after its data, locks or
+        children changed."""
+        if node is self.root or node.removed:
+            return
+        # The membership rule of the module doc for both tiers; runs on every data and lock change.
+        if component != SWA:
+            lru1, lru2 = self.full
+            if node.lock_full:
+                lru1.discard(node)
+                lru2.discard(node)
+            else:
+                l1 = node.l1_full is not None
+                if l1 and not node.child_l1:
+                    lru1.add(node)
+                else:
+                    lru1.discard(node)
+                if not l1 and node.l2_full is not None and not node.child_l1 and not node.child_l2:
+                    lru2.add(node)
+                else:
+                    lru2.discard(node)
+        if component != FULL:
+            lru1, lru2 = self.swa
+            if node.lock_swa:
+                lru1.discard(node)
+                lru2.discard(node)
+            elif node.l1_swa is not None:
+                lru1.add(node)
+                lru2.discard(node)
+            else:
+                lru1.discard(node)
+                if node.l2_swa is not None:
+                    lru2.add(node)
+                else:
+                    lru2.discard(node)

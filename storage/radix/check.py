@@ -4,7 +4,8 @@ O(nodes + locks * depth): for tests and debug builds, not the serving hot path. 
 naming the broken invariant with the counts involved.
 
 It reads the tree only through the public, read-only ``TreeView`` below (which RadixTree provides), so
-the dependency runs one way: radix.py -> radix_check.py, never back.
+the dependency runs one way: tree.py -> check.py, never back; it recomputes what the tree's parts
+(tiers.py, lru.py, locks.py) keep and compares it with what they answer.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections import Counter
 from typing import Iterator, Protocol
 
 from storage.hashing import KEY_BYTES
-from storage.radix_node import COMPONENTS, FULL, L1, L2, PAGE_TIERS, SWA, Node
+from storage.radix.node import COMPONENTS, FULL, L1, L2, PAGE_TIERS, SWA, Node
 
 
 class TreeView(Protocol):
