@@ -40,6 +40,9 @@ from storage.radix_node import L1, L3, Node
 
 
 class HiCache:
+    keeps_pages = True
+    """Requests' pages are committed to it (storage/hicache/no_cache.py: NoCache keeps none)."""
+
     def __init__(self, pools: KVPools, geom: KVGeometry, cfg: Optional[HiCacheConfig] = None,
                  seed=DEFAULT_SEED, model_id: str = "model", eviction: str = "lru") -> None:
         self.pools = pools
@@ -356,9 +359,17 @@ class HiCache:
     def owners(self) -> dict[str, list[int]]:
         return {c: self.tree.all_pages(c, L1) for c in COMPONENTS}
 
+    def take_events(self) -> list:
+        """The tree's KV events since the last call, oldest first (RadixTree.take_events)."""
+        return self.tree.take_events()
+
     def check_integrity(self) -> None:
         self.tree.check_integrity()
         self._l2.check_integrity(self._l3.owners)
 
     def usage(self) -> dict:
         return {"L1": {c: self.tree.num_pages(c, L1) for c in COMPONENTS}, **self._l2.usage(), **self._l3.usage()}
+
+    def stats_entry(self) -> dict:
+        """The ``"cache"`` entry of Engine.stats(): the counters and what each tier holds."""
+        return {"cache": {**self.stats, "usage": self.usage()}}
