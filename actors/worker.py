@@ -74,7 +74,7 @@ class WorkerActor:
         # Mooncake L3: pages go to the storage actor's segment, which is new after that actor restarts (and
         # a restarted worker was built with the first one): follow it, or new pages would land in the
         # workers' own small segments and vanish with them.
-        l3 = self.core.engine.cache.l3 if self.core.engine.cache is not None else None
+        l3 = self.core.engine.cache.l3
         if storage is not None and l3 is not None and hasattr(l3.store, "prefer_segment"):
             threading.Thread(target=self._l3_segment_loop, args=(storage, l3.store, l3_refresh_s),
                              name="strata-l3-segment", daemon=True).start()
@@ -91,8 +91,7 @@ class WorkerActor:
             # them, and every report before this one carried only what came before the flush.
             flushed, self._flush_ack = self._flush_ack, None
             try:
-                pending += self.core.call_blocking(
-                    lambda e: e.cache.tree.take_events() if e.cache is not None else [])
+                pending += self.core.call_blocking(lambda e: e.cache.take_events())
                 ray.get(self.router.report.remote(self.worker_id, self.role, pending, self.core.load(), fresh,
                                                   flushed is not None), timeout=10)
                 fresh, pending = False, []
@@ -308,7 +307,7 @@ class WorkerActor:
         def check(e: Engine) -> dict:
             s = e.scheduler
             busy = len(s.running) + len(s.waiting) + e.receiver.live
-            if not busy and e.cache is not None:
+            if not busy:
                 e.cache.poll(block=True)
             return {"busy": busy}
         return await self.core.call(check)

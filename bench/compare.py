@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 import socket
 import sys
 import tempfile
@@ -28,7 +29,7 @@ from bench.common import RESULTS, table, write_json
 from bench.compare_report import checks, markdown, plot_all, row_of, update_readme
 from bench.multiturn import run_workload
 from bench.multiturn_workload import WorkloadConfig, summarize
-from bench.swa_oblivious import SETUP_HOOK
+from bench.swa_oblivious import SETUP_HOOK, oblivious_config
 from cluster.config import ClusterConfig, RayConfig, ServerConfig, WorkersConfig
 from actors.routing import RouterConfig
 from engine.config import EngineConfig
@@ -45,6 +46,7 @@ FULL = WorkloadConfig(num_clients=15, num_rounds=6, request_length=1024, sub_que
 class Variant:
     name: str
     cluster: ClusterConfig
+    setup_hook: str | None = None   # run in every Ray worker process of its cluster (a bench baseline's)
 
 
 def variants(num_pages: int, host_pages: int, l3_dir: str) -> list[Variant]:
@@ -57,17 +59,18 @@ def variants(num_pages: int, host_pages: int, l3_dir: str) -> list[Variant]:
     one = WorkersConfig(prefill=1, decode=1, num_cpus=0.5)
     two = WorkersConfig(prefill=2, decode=1, num_cpus=0.5)
 
-    def v(name, hicache=None, cache=True, workers=one, policy="prefix"):
+    def v(name, hicache=None, cache=True, workers=one, policy="prefix", setup_hook=None):
         e = dataclasses.replace(eng, enable_prefix_cache=cache, hicache=hicache)
         return Variant(name, ClusterConfig(engine=e, workers=workers, router=RouterConfig(policy=policy),
-                                           server=ServerConfig(), ray=RayConfig(num_cpus=3)))
+                                           server=ServerConfig(), ray=RayConfig(num_cpus=3)), setup_hook)
 
     return [
         v("no cache", cache=False),
         v("L1 only"),
         v("L1+L2", l2),
         v("L1+L2+L3", l3),
-        v("L1+L2 SWA-oblivious", dataclasses.replace(l2, swa_backup="all")),
+        # The baseline's L2 tier is the bench's own (bench/swa_oblivious.py): its workers build it.
+        v("L1+L2 SWA-oblivious", oblivious_config(l2), setup_hook=SETUP_HOOK),
         v("2P prefix router", l2, workers=two),
         v("2P round-robin", l2, workers=two, policy="round_robin"),
     ]
@@ -98,10 +101,14 @@ def run_variant(var: Variant, wl: WorkloadConfig, l3_dir: str | None) -> dict:
     t_start = time.perf_counter()
     handles = None
     try:
-        # Every worker process registers the SWA-oblivious L2 tier (bench/swa_oblivious.py) at start,
-        # so the variant that asks for it (swa_backup="all") finds it; the others never use it.
-        launch.start_local_ray(num_cpus=cfg.ray.num_cpus, namespace=cfg.ray.namespace,
-                               runtime_env={"worker_process_setup_hook": SETUP_HOOK})
+        # A variant's setup hook (the SWA-oblivious one: its engines build the bench's cache) runs in
+        # every worker process of its own cluster only. It runs before Ray puts the driver's directory
+        # on a worker's path: PYTHONPATH makes it import this checkout, not wherever strata is installed.
+        root = str(Path(__file__).resolve().parent.parent)
+        path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+        env = {"runtime_env": {"worker_process_setup_hook": var.setup_hook, "env_vars": {"PYTHONPATH": path}}} \
+            if var.setup_hook else {}
+        launch.start_local_ray(num_cpus=cfg.ray.num_cpus, namespace=cfg.ray.namespace, **env)
         handles = launch.deploy(cfg)
         startup = time.perf_counter() - t_start
         _warm_up(handles["url"])

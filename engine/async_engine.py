@@ -81,8 +81,7 @@ class AsyncEngine:
         while not self._stop:
             busy = self.engine.has_unfinished()
             cache = self.engine.cache
-            copying = cache is not None and ((cache.copier is not None and cache.copier.num_pending > 0)
-                                             or cache.prefetching())   # an aborted request's L3 read
+            copying = cache.copier.num_pending > 0 or cache.prefetching()   # an aborted request's L3 read
             try:
                 if busy:
                     cmd = self._cmds.get_nowait()
@@ -244,7 +243,7 @@ class AsyncEngine:
 
     # ---- introspection -------------------------------------------------------------------------------
     async def take_events(self) -> list:
-        return await self.call(lambda e: e.cache.tree.take_events() if e.cache is not None else [])
+        return await self.call(lambda e: e.cache.take_events())
 
     def load(self) -> dict:
         """Racy but cheap snapshot (ints read from another thread) for routing."""
@@ -255,7 +254,7 @@ class AsyncEngine:
                "free_pages": self.engine.pools.full.allocator.num_free,
                "total_pages": self.engine.pools.full.num_pages}
         cache = self.engine.cache
-        if cache is not None and cache.host is not None:  # for /metrics: host memory and tier traffic
+        if cache.host is not None:  # for /metrics: host memory and tier traffic (only with L2)
             out["host_kv_bytes"] = sum(cache.host.bytes_used().values())
             out["kv_moved_bytes"] = dict(cache.stats["bytes"])
             out["kv_loadback_pages"] = dict(cache.stats["loadback"])   # loaded / used / wasted L2 -> L1

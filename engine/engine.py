@@ -21,12 +21,12 @@ from engine.grammar import GrammarTokenizer
 from engine.sampler import sample, token_logprobs
 from engine.sampling import SamplingParams, TokenLogprob, make_generator
 from engine.stopping import row_state, stop_reason
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerHooks
 from engine.kv_manager import KVManager
 from engine.disagg import export_kv
 from engine.pd import KVReceiver
 from engine.prefix import PrefixCacheHooks
-from storage.hicache import HiCache
+from storage.hicache import HiCache, NoCache
 from storage.pools import COMPONENTS, KVPools
 from storage.geometry import KVGeometry
 from storage.transfer.base import LeasedPages, Receipt, TransferBackend
@@ -109,15 +109,15 @@ class Engine:
             raise ValueError(f"swa_full_ratio: the SWA pool ({self.pools.swa.num_pages} pages) cannot hold one "
                              f"window ({need} pages of {cfg.page_size})")
         self._now = 0.0
-        self.cache: HiCache | None = None
-        self.hooks: PrefixCacheHooks | None = None
-        if cfg.enable_prefix_cache:
-            self.cache = HiCache(self.pools, self.geometry, cfg.hicache, model_id=self.model_id(),
-                                 eviction=cfg.prefix_eviction)
+        # Decided here once: past construction the engine calls its cache (and hooks) without asking
+        # whether there is one (NoCache keeps nothing; SchedulerHooks are the scheduler's "no cache").
+        self.cache: HiCache | NoCache = HiCache(self.pools, self.geometry, cfg.hicache, model_id=self.model_id(),
+                                                eviction=cfg.prefix_eviction) \
+            if cfg.enable_prefix_cache else NoCache()
         # The one owner of every request's L1 pages (the scheduler only decides).
         self.kv = KVManager(self.geometry, self.pools, self.cache, lambda: self._now, cfg.swa_checkpoint_interval)
-        if self.cache is not None:
-            self.hooks = PrefixCacheHooks(self.cache, self.kv, lambda: self._now)
+        self.hooks: SchedulerHooks = PrefixCacheHooks(self.cache, self.kv, lambda: self._now) \
+            if cfg.enable_prefix_cache else SchedulerHooks()
         self.scheduler = Scheduler(self.kv, cfg.max_batch_tokens, cfg.max_running_requests,
                                    cfg.effective_chunk_size, hooks=self.hooks)
         self.runner = ModelRunner(self.model, self.pools, self.device)
@@ -281,19 +281,17 @@ class Engine:
     # ---- stepping ----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         self._now += 1.0
-        if self.cache is not None:
-            self.cache.poll()
+        self.cache.poll()
         seqs = self.scheduler.schedule()
         if not seqs:
-            if self.cache is not None and self.cache.prefetching():
+            if self.cache.prefetching():
                 self.cache.wait_prefetch(0.005)   # only prefetching requests: don't spin on the GIL
             return []
         try:
             logits = self.runner.run(seqs)
         finally:
             self.scheduler.after_forward()
-        if self.hooks is not None:
-            self.hooks.after_forward([sq.req for sq in seqs])
+        self.hooks.after_forward([sq.req for sq in seqs])
         self.counters["steps"] += 1
         samplers = [sq for sq in seqs if sq.samples]
         self._prompt_logprobs(logits[len(samplers):])
@@ -305,7 +303,7 @@ class Engine:
             req.num_computed = sq.end
             key = "decode_tokens" if sq.n == 1 and req.output_ids else "prefill_tokens"
             self.counters[key] += sq.n
-            if not sq.samples and self.cache is not None:
+            if not sq.samples:
                 # A chunk of a longer prompt: its sliding KV before the window becomes the tree's now
                 # (evictable, matchable), not the request's until the prompt ends.
                 self.kv.commit(req, keep_end=False)
@@ -425,16 +423,13 @@ class Engine:
     def check_integrity(self) -> None:
         self.receiver.check_integrity()
         leased = self.receiver.owners()
-        tree: dict = {}
-        if self.cache is not None:
-            self.cache.check_integrity()
-            tree = {c: {"tree": pages} for c, pages in self.cache.owners().items()}
+        self.cache.check_integrity()
+        tree = {c: {"tree": pages} for c, pages in self.cache.owners().items()}
         self.scheduler.check_integrity({c: {**tree.get(c, {}), **leased.get(c, {})} for c in COMPONENTS})
 
     def close(self) -> None:
         """Finish background copies and release the L3 store (idempotent)."""
-        if self.cache is not None:
-            self.cache.close()
+        self.cache.close()
 
     def flush_cache(self, l3: bool = False) -> dict:
         """Empty this engine's tiers (L1, L2, and what its tree knows of L3) and, with ``l3``, this model's
@@ -444,8 +439,6 @@ class Engine:
         requests are running."""
         if self.scheduler.running:
             raise RuntimeError("flush_cache: requests are still running")
-        if self.cache is None:
-            return {"L1": {}, "L2": {}, "L3": {}, "L3_store": None}
         out = self.cache.flush()
         out["L3_store"] = None
         if l3:
@@ -465,5 +458,5 @@ class Engine:
                          "peak": p.pool(c).allocator.peak_used} for c in ("full", "swa")},
             "leases": self.receiver.stats(),
             "kv_bytes_per_token": {"full": p.full.bytes_per_token, "swa": p.swa.bytes_per_token},
-            **({"cache": {**self.cache.stats, "usage": self.cache.usage()}} if self.cache is not None else {}),
+            **self.cache.stats_entry(),
         }

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple, Optional
 from storage.geometry import KVGeometry
 from storage.pools import COMPONENTS, FULL, SWA, KVPools, PageAllocator
 
+from storage.hicache.no_cache import NoCache
+
 if TYPE_CHECKING:   # engine/request.py imports PageTable from here
     from engine.request import Request
     from storage.hicache import HiCache
@@ -66,8 +68,10 @@ class KVManager:
     """Write and cache the sliding KV of a prompt's interior (see the module doc). bench/branch.py turns it
     off for its window-only row (the retention before [branch]); nothing in serving does."""
 
-    def __init__(self, geom: KVGeometry, pools: KVPools, cache: "HiCache | None" = None,
+    def __init__(self, geom: KVGeometry, pools: KVPools, cache: "HiCache | NoCache" = NoCache(),
                  clock: Callable[[], float] = lambda: 0.0, checkpoint_interval: int = 0) -> None:
+        """``cache``: the prefix cache pages are committed to and evicted from; a NoCache (stateless, so
+        the default instance is shared) keeps none."""
         self.geom = geom
         self.ps = geom.page_size
         self.pools = pools
@@ -75,8 +79,9 @@ class KVManager:
         self.clock = clock   # the engine's logical time, for the cache's LRU
         self.full: PageAllocator = pools.full.allocator
         self.swa: PageAllocator | None = pools.swa.allocator if geom.has_swa else None
-        # With a prefix cache the SWA window is kept in whole pages, so the cache can reuse it.
-        self.page_aligned = cache is not None
+        # With a prefix cache the SWA window is kept in whole pages, so the cache can reuse it; with one
+        # that keeps no pages (NoCache) a request's pages stay its own until release (``commit``).
+        self.page_aligned = cache.keeps_pages
         # SWA pages that left the window this step: still read by this step's forward, so they go back
         # to the allocator only after it (anyone else could overwrite them before the read).
         self._retired: list[int] = []
@@ -89,7 +94,7 @@ class KVManager:
 
     def reclaimable(self, comp: str) -> int:
         """L1 pages of ``comp`` the cache would give back if asked."""
-        return self.cache.reclaimable_l1(comp) if self.cache is not None else 0
+        return self.cache.reclaimable_l1(comp)
 
     def available(self, comp: str) -> int:
         return self.allocator(comp).num_free + self.reclaimable(comp)
@@ -97,7 +102,7 @@ class KVManager:
     def ensure(self, comp: str, n: int) -> bool:
         """Can ``n`` pages of ``comp`` be allocated, after asking the cache to evict if need be?"""
         alloc = self.allocator(comp)
-        if not alloc.can_alloc(n) and self.cache is not None:
+        if not alloc.can_alloc(n):
             self.cache.evict_l1(comp, n - alloc.num_free)
         return alloc.can_alloc(n)
 
@@ -172,7 +177,7 @@ class KVManager:
                     if prefill else []
                 order = self._interior_order(req, missing, cands)
                 room = self.swa.num_free - len(window) + len(owned_below)
-                if len(order) > room and self.cache is not None:
+                if len(order) > room:
                     self.cache.evict_l1(SWA, len(order) - room, spare_kept=True)
                     room = self.swa.num_free - len(window) + len(owned_below)
                 take = set(order[:max(0, room)])
@@ -276,7 +281,8 @@ class KVManager:
             self.allocator(comp).free(ps)
 
     def commit(self, req: "Request", finished: bool = False, keep_end: bool = True) -> None:
-        """Insert the request's whole computed pages into the prefix cache (no-op without one).
+        """Insert the request's whole computed pages into the prefix cache (no-op with one that keeps no
+        pages: a NoCache, decided at construction as ``page_aligned``).
 
         The windows kept for later branches (storage/radix/tree.py, "Retention"): before the end unless
         ``keep_end`` is False (a prompt's chunk, committed so its interior sliding KV becomes the tree's),
@@ -288,7 +294,7 @@ class KVManager:
         before finish, so a repeat of it would find no usable window.
         ``finished=True``: the tree takes the pages, the rest the request owns is freed; its borrowed
         prefix stays locked until ``release``."""
-        if self.cache is None:
+        if not self.page_aligned:
             return
         t, ps = req.pages, self.ps
         n = req.num_computed // ps
@@ -363,7 +369,7 @@ class KVManager:
         t.interior.clear()
         t.whole_below.clear()
         self.holders.pop(req.rid, None)
-        if req.hit is not None and self.cache is not None:
+        if req.hit is not None:
             self.cache.release(req.hit)
             req.hit = None
 

@@ -65,6 +65,9 @@ class SchedulerHooks:
     def on_release(self, req: Request) -> None:
         """After the KVManager gave back a request's pages and hit (preemption, finish, abort)."""
 
+    def after_forward(self, reqs) -> None:
+        """A forward ran for ``reqs`` (the engine calls it after each step's forward)."""
+
 
 class Scheduler:
     def __init__(self, kv: KVManager, max_batch_tokens: int, max_running: int, chunk_size: int,

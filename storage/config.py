@@ -33,7 +33,6 @@ class KVPoolConfig:
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 L2_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
-SWA_BACKUPS = ("last_window", "all")
 
 
 @dataclass(frozen=True)
@@ -41,15 +40,9 @@ class HiCacheConfig:
     """The L2 (host) tier and how L1 data reaches it.
 
     ``host_pages`` pages back the full component in host memory; the SWA component gets
-    ``ceil(host_pages * host_swa_ratio)`` because an SWA-aware backup keeps only each sequence's last
-    window. ``write_through_threshold`` is the hit count at which ``write_through_selective`` backs a
-    node up.
-
-    ``swa_backup``: ``last_window`` (SWA-aware: the host keeps each sequence's last window of the
-    sliding layers) or ``all`` (SWA-oblivious, for comparisons: host memory is taken for the sliding
-    layers of every backed-up token, as a host pool that treats every layer alike would; the SWA pool
-    then has ``host_pages`` pages). ``all`` is a bench baseline, not a serving mode: its L2 tier lives in
-    bench/swa_oblivious.py, which registers it on import (a cache built without it refuses the mode).
+    ``ceil(host_pages * host_swa_ratio)`` because the SWA-aware backup keeps only the windows the tree
+    keeps (each sequence's last window, branch points, checkpoints). ``write_through_threshold`` is the
+    hit count at which ``write_through_selective`` backs a node up.
     """
 
     host_pages: int = 4096
@@ -59,7 +52,6 @@ class HiCacheConfig:
     layout: str = "page_first_direct"
     load_back_threshold_pages: int = 1   # L2 hits shorter than this are recomputed, not loaded
     l3: "L3Config | None" = None         # the shared store below L2 (storage/l3); None: no L3
-    swa_backup: str = "last_window"      # last_window (SWA-aware) | all (SWA-oblivious baseline)
 
     def __post_init__(self) -> None:
         if isinstance(self.host_pages, bool) or not isinstance(self.host_pages, int) or self.host_pages < 1:
@@ -74,14 +66,10 @@ class HiCacheConfig:
             raise ValueError(f"layout must be one of {L2_LAYOUTS}, got {self.layout!r}")
         if not isinstance(self.load_back_threshold_pages, int) or self.load_back_threshold_pages < 1:
             raise ValueError("load_back_threshold_pages must be an int >= 1")
-        if self.swa_backup not in SWA_BACKUPS:
-            raise ValueError(f"swa_backup must be one of {SWA_BACKUPS}, got {self.swa_backup!r}")
         from storage.l3.config import L3Config
         if self.l3 is not None and not isinstance(self.l3, L3Config):
             raise ValueError("l3 must be an L3Config or None")
 
     @property
     def host_swa_pages(self) -> int:
-        if self.swa_backup == "all":
-            return self.host_pages
         return max(1, math.ceil(self.host_pages * self.host_swa_ratio))

@@ -1,6 +1,7 @@
 """The tier controller (``HiCache``) and what it hands out. The modules, one way down:
 
     cache.py      HiCache: match / resume / insert / evict / prefetch / check_integrity (the public API)
+    no_cache.py   NoCache: the cache of an engine without a prefix cache (keeps nothing)
     write.py      write policies as strategies        l1.py        room in L1
     host_tier.py  L2 (HostTier)                        l3_tier.py   L3 (L3Tier) over prefetcher.py
     loadback.py   L2 -> L1 of a hit                    install.py   what an L3 prefetch brought -> tree
@@ -10,7 +11,8 @@
 import kernels  # noqa: F401  (tests slow the copies down through ``storage.hicache.kernels``)
 from storage.hicache.cache import HiCache
 from storage.hicache.hit import PrefixHit, Room
-from storage.hicache.host_tier import HOST_TIERS, HostTier
+from storage.hicache.host_tier import HostTier
+from storage.hicache.no_cache import NoCache
 from storage.hicache.prefetch import prefetch_ready, usable_end
 
-__all__ = ["HiCache", "PrefixHit", "Room", "HostTier", "HOST_TIERS", "prefetch_ready", "usable_end"]
+__all__ = ["HiCache", "NoCache", "PrefixHit", "Room", "HostTier", "prefetch_ready", "usable_end"]

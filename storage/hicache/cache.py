@@ -26,7 +26,7 @@ from storage.geometry import KVGeometry
 from storage.hashing import DEFAULT_SEED
 from storage.sequence_keys import SequenceKeys
 from storage.hicache.hit import NO_TIERS, PrefixHit, Room
-from storage.hicache.host_tier import host_tier_class
+from storage.hicache.host_tier import HostTier
 from storage.hicache.install import install
 from storage.hicache.l1 import L1Space
 from storage.hicache.l3_tier import L3Tier
@@ -40,8 +40,14 @@ from storage.radix.node import L1, L3, Node
 
 
 class HiCache:
+    keeps_pages = True
+    """Requests' pages are committed to it (storage/hicache/no_cache.py: NoCache keeps none)."""
+
     def __init__(self, pools: KVPools, geom: KVGeometry, cfg: Optional[HiCacheConfig] = None,
-                 seed=DEFAULT_SEED, model_id: str = "model", eviction: str = "lru") -> None:
+                 seed=DEFAULT_SEED, model_id: str = "model", eviction: str = "lru",
+                 host_tier: type[HostTier] = HostTier) -> None:
+        """``host_tier``: the L2 tier built when ``cfg`` asks for L2 (a bench builds its baseline's
+        subclass through it, bench/swa_oblivious.py)."""
         self.pools = pools
         self.cfg = cfg
         self.page_size = pools.cfg.page_size
@@ -60,9 +66,8 @@ class HiCache:
                       # L2 -> L1 pages of load-back: read by their request's forward, or released unread
                       "loadback": {"loaded": 0, "used": 0, "wasted": 0, "deferred": 0,
                                    "loaded_full": 0, "loaded_swa": 0}}
-        host_tier = host_tier_class(cfg.swa_backup) if cfg is not None else None   # before any thread starts
         self.copier = Copier(device=pools.full.kv.device) if cfg is not None else NoCopier()
-        self._l2 = NoTier() if host_tier is None else \
+        self._l2 = NoTier() if cfg is None else \
             host_tier(self.tree, pools, cfg, self.copier, self.components, self.stats)
         self._l3 = NoTier() if cfg is None or cfg.l3 is None else \
             L3Tier(make_store(cfg.l3), cfg.l3, model_id, self.tree, self._l2, self.copier, wp, self.page_size)
@@ -356,9 +361,17 @@ class HiCache:
     def owners(self) -> dict[str, list[int]]:
         return {c: self.tree.all_pages(c, L1) for c in COMPONENTS}
 
+    def take_events(self) -> list:
+        """The tree's KV events since the last call, oldest first (RadixTree.take_events)."""
+        return self.tree.take_events()
+
     def check_integrity(self) -> None:
         self.tree.check_integrity()
         self._l2.check_integrity(self._l3.owners)
 
     def usage(self) -> dict:
         return {"L1": {c: self.tree.num_pages(c, L1) for c in COMPONENTS}, **self._l2.usage(), **self._l3.usage()}
+
+    def stats_entry(self) -> dict:
+        """The ``"cache"`` entry of Engine.stats(): the counters and what each tier holds."""
+        return {"cache": {**self.stats, "usage": self.usage()}}

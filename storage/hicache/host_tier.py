@@ -5,10 +5,10 @@ and the stats it counts into -- and knows nothing of the cache above it or of L3
 backup says what follows it (``then``, e.g. the write to L3 once the L2 copy is complete).
 
 SWA data is backed up only where the tree keeps it (``swa_keep``: the window before a sequence end, a
-branch point or a checkpoint; storage/radix.py, "Retention"): the interior sliding KV the engine leaves
-in L1 is evictable there and recomputed rather than moved, so L2 and L3 hold one window per kept point. The SWA-oblivious baseline of the benches (``swa_backup="all"``) is a
-subclass in bench/swa_oblivious.py, registered in ``HOST_TIERS`` by that module; the hooks it overrides
-(``reserved``, ``released``, ``owners``, ``check_extra``) do nothing here.
+branch point or a checkpoint; storage/radix/tree.py, "Retention"): the interior sliding KV the engine leaves
+in L1 is evictable there and recomputed rather than moved, so L2 and L3 hold one window per kept point
+(``backs_up``). The benches' SWA-oblivious baseline is a subclass in bench/swa_oblivious.py, which
+builds its own cache with it (``HiCache(host_tier=...)``); nothing here exists for it.
 """
 from __future__ import annotations
 
@@ -63,7 +63,6 @@ class HostTier:
         if not self.room(c, node.num_pages):
             return False
         dst = host.allocator.alloc(node.num_pages)
-        self.reserved(node, c, dst)
         src = list(node.l1[c])
         l1 = self.l1.pool(c).flat()
         self.stats["pages"]["L1->L2"] += node.num_pages
@@ -134,21 +133,11 @@ class HostTier:
     def free(self, c: str, pages: list[int]) -> None:
         if pages:
             self.pool(c).allocator.free(pages)
-            self.released(c, pages)
 
-    # ---- hooks of a baseline (bench/swa_oblivious.py) -------------------------------------------------
+    # ---- what earns host room ------------------------------------------------------------------------
     def backs_up(self, node: Node) -> bool:
         """Whether ``node``'s SWA data earns host room: only kept windows (interior pages are recomputed)."""
         return node.swa_keep > 0
-
-    def reserved(self, node: Node, c: str, dst: list[int]) -> None:
-        """``dst`` were just taken for ``node``'s L2 copy of ``c``."""
-
-    def released(self, c: str, pages: list[int]) -> None:
-        """L2 pages of ``c`` went back to the pool."""
-
-    def check_extra(self) -> None:
-        """Invariants of what a subclass holds beside the tree."""
 
     # ---- the Tier interface ----------------------------------------------------------------------------
     def poll(self, block: bool = False) -> None:
@@ -168,7 +157,6 @@ class HostTier:
         for c in COMPONENTS:
             owners = {"tree": self.tree.all_pages(c, L2), **self.owners(c), **others(c)}
             self.pool(c).allocator.check_integrity(owners)
-        self.check_extra()
 
     def usage(self) -> dict:
         return {"L2": {c: self.pool(c).allocator.num_used for c in COMPONENTS},
@@ -176,15 +164,3 @@ class HostTier:
 
     def close(self) -> None:
         self.copier.close()
-
-
-HOST_TIERS: dict[str, type[HostTier]] = {"last_window": HostTier}
-"""``HiCacheConfig.swa_backup`` -> the L2 tier that implements it."""
-
-
-def host_tier_class(swa_backup: str) -> type[HostTier]:
-    cls = HOST_TIERS.get(swa_backup)
-    if cls is None:
-        raise ValueError(f"swa_backup={swa_backup!r} has no L2 tier here: the SWA-oblivious baseline ('all') "
-                         "lives in bench/swa_oblivious.py, import it first (it registers itself)")
-    return cls

@@ -10,7 +10,7 @@ from engine.request import Request
 from engine.sampling import SamplingParams
 from storage.config import KVPoolConfig
 from storage.geometry import KVGeometry
-from storage.hicache import HiCache
+from storage.hicache import HiCache, NoCache
 from storage.pools import KVPools
 from storage.transfer.base import LeasedPages
 
@@ -23,7 +23,7 @@ def make(num_pages=32, cache=True, checkpoint_interval=0):
                     torch.float32, "cpu")
     geom = KVGeometry.from_layers(LAYERS, W, PS)
     hc = HiCache(pools, geom) if cache else None
-    return KVManager(geom, pools, hc, checkpoint_interval=checkpoint_interval), hc
+    return KVManager(geom, pools, hc if hc is not None else NoCache(), checkpoint_interval=checkpoint_interval), hc
 
 
 def check(kv, hc):

@@ -41,9 +41,11 @@ def test_policy_is_validated():
         RouterConfig(policy="random")
 
 
-def test_yaml_maps_the_policy_and_the_swa_backup_mode():
+def test_yaml_maps_the_policy_and_has_no_baseline_key():
     from cluster.config import from_text
-    cfg = from_text("engine: {enable_prefix_cache: true, hicache: {swa_backup: all}}\nrouter: {policy: round_robin}\n")
-    assert cfg.router.policy == "round_robin" and cfg.engine.hicache.swa_backup == "all"
+    cfg = from_text("engine: {enable_prefix_cache: true, hicache: {host_pages: 64}}\nrouter: {policy: round_robin}\n")
+    assert cfg.router.policy == "round_robin" and cfg.engine.hicache.host_pages == 64
+    with pytest.raises(ValueError, match="swa_backup"):   # the SWA-oblivious baseline is bench-only
+        from_text("engine: {enable_prefix_cache: true, hicache: {swa_backup: all}}\n")
     with pytest.raises(ValueError, match="policy"):
         from_text("router: {policy: nearest}\n")

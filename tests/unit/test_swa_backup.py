@@ -1,13 +1,17 @@
-"""HiCacheConfig.swa_backup: the SWA-aware backup (last window) against the SWA-oblivious baseline
-(host room for every token of the sliding layers). Same tokens either way; the oblivious one costs
-more host memory, by the factor bench/multiturn_offline's bound predicts, and frees all of it."""
+"""The SWA-aware host backup (the kept windows) against the benches' SWA-oblivious baseline
+(bench/swa_oblivious.py: host room for every token of the sliding layers). Same tokens either way; the
+oblivious one costs more host memory, by the factor bench/multiturn_offline's bound predicts, and frees
+all of it. The baseline lives in bench/ only: production config has no field for it."""
+import contextlib
+import dataclasses
+
 import pytest
 import torch
 
-import bench.swa_oblivious  # noqa: F401  (registers the SWA-oblivious L2 tier, swa_backup="all")
+from bench.swa_oblivious import ObliviousHiCache, ObliviousHostTier, installed, oblivious_config
 from engine import Engine, SamplingParams
 from storage.config import HiCacheConfig
-from storage.hicache import HOST_TIERS
+from storage.hicache import HiCache, HostTier
 
 SP = SamplingParams(max_new_tokens=8, ignore_eos=True)
 
@@ -17,10 +21,13 @@ def _turns(seed: int) -> list[list[int]]:
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5 * 64 + 3, 41, 29)]
 
 
-def _run(mode: str, write_policy: str):
-    eng = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=96, max_batch_tokens=128,
-                                 enable_prefix_cache=True, poison_kv=True,
-                                 hicache=HiCacheConfig(host_pages=256, write_policy=write_policy, swa_backup=mode))
+def _run(oblivious: bool, write_policy: str):
+    hc = HiCacheConfig(host_pages=256, write_policy=write_policy)
+    with installed() if oblivious else contextlib.nullcontext():
+        eng = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=96, max_batch_tokens=128,
+                                     enable_prefix_cache=True, poison_kv=True,
+                                     hicache=oblivious_config(hc) if oblivious else hc)
+    assert type(eng.cache) is (ObliviousHiCache if oblivious else HiCache)
     prompt, outs = [], []
     for text in _turns(0):
         prompt = prompt + (outs[-1][0] if outs else []) + text
@@ -45,8 +52,8 @@ def _run(mode: str, write_policy: str):
 
 @pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
 def test_aware_and_oblivious_give_identical_tokens(write_policy):
-    aware, used_aware = _run("last_window", write_policy)
-    oblivious, used_obl = _run("all", write_policy)
+    aware, used_aware = _run(False, write_policy)
+    oblivious, used_obl = _run(True, write_policy)
     assert [t for t, _ in aware] == [t for t, _ in oblivious]
     assert all(hits > 0 for _, hits in aware[1:]) and all(hits > 0 for _, hits in oblivious[1:])
     assert used_aware["full"] == used_obl["full"]
@@ -57,14 +64,19 @@ def test_aware_and_oblivious_give_identical_tokens(write_policy):
     assert used_aware["swa"] < used_obl["swa"] * 0.6
 
 
-def test_swa_backup_is_validated():
-    with pytest.raises(ValueError, match="swa_backup"):
-        HiCacheConfig(swa_backup="some")
-    assert HiCacheConfig(host_pages=100, swa_backup="all").host_swa_pages == 100
+def test_the_oblivious_sizing_is_the_benchs():
+    assert "swa_backup" not in {f.name for f in dataclasses.fields(HiCacheConfig)}
+    assert HiCacheConfig(host_pages=100).host_swa_pages == 50   # SWA-aware: host_swa_ratio of host_pages
+    assert oblivious_config(HiCacheConfig(host_pages=100)).host_swa_pages == 100
 
 
-def test_the_oblivious_baseline_lives_in_bench(monkeypatch):
-    monkeypatch.delitem(HOST_TIERS, "all")   # as in a serving process, which never imports bench/
-    with pytest.raises(ValueError, match="bench/swa_oblivious.py"):
-        Engine.from_pretrained("strata-tiny", page_size=16, num_pages=32, enable_prefix_cache=True,
-                               hicache=HiCacheConfig(host_pages=16, swa_backup="all"))
+def test_the_oblivious_baseline_lives_in_bench():
+    def l2_of(eng):
+        tier = type(eng.cache._l2)
+        eng.close()
+        return tier
+    kw = dict(page_size=16, num_pages=32, enable_prefix_cache=True, hicache=HiCacheConfig(host_pages=16))
+    assert l2_of(Engine.from_pretrained("strata-tiny", **kw)) is HostTier   # what serving builds
+    with installed():
+        assert l2_of(Engine.from_pretrained("strata-tiny", **kw)) is ObliviousHostTier
+    assert l2_of(Engine.from_pretrained("strata-tiny", **kw)) is HostTier   # only inside the block
