@@ -243,12 +243,12 @@ class RayBackend:
         for w, t in zip(self.workers, res):
             if isinstance(t, BaseException):
                 continue
-            lab, bs = f'{{worker="{w}",backend="{t["backend"]}"}}', t["backend_stats"]
-            out[f"strata_transfer_bytes_total|{lab}"] = bs.get("bytes", 0)
-            out[f"strata_transfer_sends_total|{lab}"] = bs.get("sends", 0)
-            out[f"strata_transfer_failures_total|{lab}"] = bs.get("failed", 0) + bs.get("timeouts", 0)
-            out[f"strata_transfer_leases_live|{lab}"] = t["leases"]["live"]
-            out[f"strata_transfer_leases_expired_total|{lab}"] = t["leases"]["expired"]
+            lab, bs = f'{{worker="{w}",backend="{t.backend}"}}', t.sends
+            out[f"strata_transfer_bytes_total|{lab}"] = bs.bytes
+            out[f"strata_transfer_sends_total|{lab}"] = bs.sends
+            out[f"strata_transfer_failures_total|{lab}"] = bs.failed + bs.timeouts
+            out[f"strata_transfer_leases_live|{lab}"] = t.leases.live
+            out[f"strata_transfer_leases_expired_total|{lab}"] = t.leases.expired
         return out
 
     async def _eplb_gauges(self) -> dict:

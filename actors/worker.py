@@ -22,7 +22,7 @@ from actors.ep_host import EPHost
 from engine import Engine, EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine, StreamItem
 from storage.transfer import Destination, TransferConfig, TransferError, make_backend
-from storage.transfer.base import Receipt
+from storage.transfer.base import Receipt, SendStats, TransferStats
 from storage.transfer.sends import SendRecord
 
 log = logging.getLogger("strata.worker")
@@ -67,10 +67,8 @@ class WorkerActor:
         if role != "colocated":
             self.transfer = make_backend(self.tcfg, role, self.core.engine.pools, f"strata-{worker_id}-{uuid.uuid4().hex[:8]}")
             self.transfer.on_send_ended = self._send_ended
-        if role == "decode":
-            threading.Thread(target=self._lease_loop, name="strata-leases", daemon=True).start()
-        if role == "prefill" and self.transfer.one_sided:
-            threading.Thread(target=self._reap_loop, name="strata-reap", daemon=True).start()
+        if role == "decode" or (role == "prefill" and self.transfer.one_sided):
+            threading.Thread(target=self._transfer_loop, name="strata-transfer", daemon=True).start()
         # Mooncake L3: pages go to the storage actor's segment, which is new after that actor restarts (and
         # a restarted worker was built with the first one): follow it, or new pages would land in the
         # workers' own small segments and vanish with them.
@@ -102,21 +100,28 @@ class WorkerActor:
                 fresh = True
                 self._flush_ack = self._flush_ack or flushed
 
-    def _lease_loop(self) -> None:
-        """Decode side: expire leases on the engine thread (engine/pd.py ``tick``), and ask the senders
-        of quarantined leases whether their send may still write."""
-        while not self._stop.wait(self.tcfg.expiry_interval):
+    def _transfer_loop(self) -> None:
+        """The P/D upkeep nobody calls for: on the decode side, expire leases and ask the senders of
+        quarantined ones whether their send may still write; on a one-sided prefill side, finish off the
+        sends that could not be aborted."""
+        while not self._stop.wait(self.tcfg.expiry_interval if self.role == "decode" else 0.2):
             try:
-                sweep = self.core.call_blocking(lambda e: e.receiver.tick(time.monotonic()))
-                for lease_id in sweep.expired:
-                    self.transfer.forget(lease_id)
-                    log.warning("transfer lease %s expired%s", lease_id,
-                                ": its pages stay quarantined until its sender's send is over"
-                                if lease_id in sweep.quarantined else ": its pages are free again")
-                for lease_id, sender in sweep.probe:
-                    self._probe(lease_id, sender)
+                if self.role == "decode":
+                    self._sweep_leases()
+                else:
+                    self.transfer.reap()
             except Exception as e:  # noqa: BLE001 - keep sweeping
-                log.warning("lease sweep failed: %r", e)
+                log.warning("transfer upkeep failed: %r", e)
+
+    def _sweep_leases(self) -> None:
+        sweep = self.core.call_blocking(lambda e: e.receiver.tick(time.monotonic()))
+        for lease_id in sweep.expired:
+            self.transfer.forget(lease_id)
+            log.warning("transfer lease %s expired%s", lease_id,
+                        ": its pages stay quarantined until its sender's send is over"
+                        if lease_id in sweep.quarantined else ": its pages are free again")
+        for lease_id, sender in sweep.probe:
+            self._probe(lease_id, sender)
 
     def _probe(self, lease_id: str, sender: str) -> None:
         """A sender that says its send into ``lease_id`` cannot write any more, or is dead (a restart is a
@@ -132,13 +137,6 @@ class WorkerActor:
             pending = False
         if not pending and self.core.call_blocking(lambda e: e.receiver.release(lease_id)):
             log.warning("quarantined lease %s released: its sender has no send in flight", lease_id)
-
-    def _reap_loop(self) -> None:
-        while not self._stop.wait(0.2):
-            try:
-                self.transfer.reap()
-            except Exception as e:  # noqa: BLE001
-                log.warning("reaping abandoned sends failed: %r", e)
 
     def _send_ended(self, lease_id: str) -> None:
         """A send that could not be aborted is over (a backend thread): tell its decode worker."""
@@ -244,7 +242,7 @@ class WorkerActor:
         async for item in self.core.decode_leased(ids, lease_id, receipt, params, time.monotonic(), self.transfer):
             yield item
 
-    async def set_transfer_options(self, **changes) -> dict:
+    async def set_transfer_options(self, **changes) -> TransferConfig:
         """Test hook: change this worker's transfer timings (lease_seconds, transfer_timeout,
         debug_send_delay, ...) at run time, validated like the YAML; the backend itself stays."""
         if "backend" in changes:
@@ -252,13 +250,13 @@ class WorkerActor:
         self.tcfg = dataclasses.replace(self.tcfg, **changes)
         if self.transfer is not None:
             self.transfer.cfg = self.tcfg      # the backends read their timings (and test hooks) live
-        return dataclasses.asdict(self.tcfg)
+        return self.tcfg
 
-    async def transfer_stats(self) -> dict:
+    async def transfer_stats(self) -> TransferStats:
         """Leases held (decode) and the backend's counters (staging pages in use on the prefill side)."""
         leases = await self.core.call(lambda e: e.receiver.stats())
-        return {"backend": self.tcfg.backend, "leases": leases,
-                "backend_stats": self.transfer.stats() if self.transfer is not None else {}}
+        return TransferStats(self.tcfg.backend, leases,
+                             self.transfer.stats() if self.transfer is not None else SendStats())
 
     # ---- serving ---------------------------------------------------------------------------------
     async def generate(self, ids: list[int], params: SamplingParams) -> AsyncIterator[StreamItem]:

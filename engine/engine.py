@@ -456,7 +456,7 @@ class Engine:
             "preemptions": self.scheduler.num_preemptions,
             "pool": {c: {"used": p.pool(c).allocator.num_used, "total": p.pool(c).num_pages,
                          "peak": p.pool(c).allocator.peak_used} for c in ("full", "swa")},
-            "leases": self.receiver.stats(),
+            "leases": dataclasses.asdict(self.receiver.stats()),
             "kv_bytes_per_token": {"full": p.full.bytes_per_token, "swa": p.swa.bytes_per_token},
             **self.cache.stats_entry(),
         }

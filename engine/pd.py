@@ -23,7 +23,7 @@ from engine.kv_manager import KVManager
 from engine.request import Request
 from engine.stopping import catch_up_first_token
 from storage.pools import FULL, SWA
-from storage.transfer.base import LeasedPages, LeaseInfo, LeaseTable, Receipt, TransferBackend, TransferError
+from storage.transfer.base import LeasedPages, LeaseInfo, LeaseStats, LeaseTable, Receipt, TransferBackend, TransferError
 
 PROBE_EVERY_S = 1.0      # a quarantined lease's sender is asked at most this often
 
@@ -131,7 +131,7 @@ class KVReceiver:
         """component -> {"lease <id>": pages} of every page a lease holds (live or quarantined)."""
         return self.leases.owners()
 
-    def stats(self) -> dict:
+    def stats(self) -> LeaseStats:
         return self.leases.stats()
 
     def check_integrity(self) -> None:

@@ -1,7 +1,8 @@
 """Prefill->decode KV transfer (DESIGN "One request, end to end", step 3): base.py (interface, leases),
 ray_object.py (default), nixl.py, mooncake.py, staging.py (the prefill side's registered host buffer)."""
-from storage.transfer.base import (Destination, KVPages, Lease, LeasedPages, LeaseInfo, LeaseTable, PeerInfo,
-                                   PoolRegion, Receipt, TransferBackend, TransferError)
+from storage.transfer.base import (Destination, KVPages, Lease, LeasedPages, LeaseInfo, LeaseStats, LeaseTable,
+                                   PeerInfo, PoolRegion, Receipt, SendStats, TransferBackend, TransferError,
+                                   TransferStats)
 from storage.transfer.config import TransferConfig
 
 

@@ -151,6 +151,42 @@ class Lease:
                            list(self.pages.get("swa", [])), self.info.swa_first_page)
 
 
+@dataclass(frozen=True)
+class LeaseStats:
+    """A lease table's counters (each lease's end counted once) and what it holds now: ``live`` leases,
+    ``in_quarantine`` ones (ended while a one-sided send may still write), ``pages`` held per component."""
+    reserved: int = 0
+    committed: int = 0
+    cancelled: int = 0
+    expired: int = 0
+    quarantined: int = 0
+    released: int = 0
+    live: int = 0
+    in_quarantine: int = 0
+    pages: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SendStats:
+    """One backend end's counters: sends done, failed, timed out, abandoned to the reaper (a one-sided
+    write that could not be aborted), bytes moved; and, for staged backends, staging pages in use / total."""
+    sends: int = 0
+    failed: int = 0
+    timeouts: int = 0
+    abandoned: int = 0
+    bytes: int = 0
+    staging_pages_used: int = 0
+    staging_pages: int = 0
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """A worker's end of P/D transfer: its backend, the leases it holds (decode side), its sends."""
+    backend: str
+    leases: LeaseStats
+    sends: SendStats
+
+
 class LeaseTable:
     """Pages held for transfers in flight, per component allocator, each under a deadline.
 
@@ -290,9 +326,9 @@ class LeaseTable:
             if full_check:
                 alloc.check_integrity({f"lease {l.lease_id}": l.pages.get(comp, []) for l in self._held()})
 
-    def stats(self) -> dict:
-        return {**self.counts, "live": len(self.leases), "in_quarantine": len(self.quarantine),
-                "pages": {c: self.num_pages(c) for c in self.allocators}}
+    def stats(self) -> LeaseStats:
+        return LeaseStats(**self.counts, live=len(self.leases), in_quarantine=len(self.quarantine),
+                          pages={c: self.num_pages(c) for c in self.allocators})
 
 
 def coalesce(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
@@ -350,8 +386,8 @@ class TransferBackend(ABC):
         if cb is not None:
             cb(lease_id)
 
-    def stats(self) -> dict:
-        return {}
+    def stats(self) -> SendStats:
+        return SendStats()
 
     def close(self) -> None:
         pass

@@ -17,8 +17,8 @@ import threading
 import time
 import uuid
 
-from storage.transfer.base import (Destination, KVPages, PeerInfo, Receipt, TransferBackend, TransferError, check_fits,
-                                   receipt)
+from storage.transfer.base import (Destination, KVPages, PeerInfo, Receipt, SendStats, TransferBackend, TransferError,
+                                   check_fits, receipt)
 from storage.transfer.staging import Staging, pool_regions
 
 
@@ -140,8 +140,9 @@ class MooncakeBackend(TransferBackend):
     def in_flight(self) -> set[str]:
         return set(self._running)
 
-    def stats(self) -> dict:
-        return {**self.counts, **(self.staging.stats() if self.staging is not None else {})}
+    def stats(self) -> SendStats:
+        used, total = self.staging.usage() if self.staging is not None else (0, 0)
+        return SendStats(**self.counts, staging_pages_used=used, staging_pages=total)
 
     def close(self) -> None:
         for ptr in self._regs:

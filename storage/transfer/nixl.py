@@ -17,8 +17,8 @@ import threading
 import time
 import uuid
 
-from storage.transfer.base import (Destination, KVPages, PeerInfo, Receipt, TransferBackend, TransferError, check_fits,
-                                   receipt)
+from storage.transfer.base import (Destination, KVPages, PeerInfo, Receipt, SendStats, TransferBackend, TransferError,
+                                   check_fits, receipt)
 from storage.transfer.staging import Staging, pool_regions
 
 
@@ -203,8 +203,9 @@ class NixlBackend(TransferBackend):
             self._ended(lease_id)
 
     # ---- both ----------------------------------------------------------------------------------------
-    def stats(self) -> dict:
-        return {**self.counts, **(self.staging.stats() if self.staging is not None else {})}
+    def stats(self) -> SendStats:
+        used, total = self.staging.usage() if self.staging is not None else (0, 0)
+        return SendStats(**self.counts, staging_pages_used=used, staging_pages=total)
 
     def close(self) -> None:
         self._stop.set()

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from storage.transfer.base import (Destination, KVPages, LeasedPages, Receipt, TransferBackend, TransferError,
-                                   check_fits, receipt)
+from storage.transfer.base import (Destination, KVPages, LeasedPages, Receipt, SendStats, TransferBackend,
+                                   TransferError, check_fits, receipt)
 
 
 def pack(payload: KVPages, dest: Destination) -> KVPages:
@@ -81,5 +81,5 @@ class RayObjectBackend(TransferBackend):
             dev = pools.swa.kv.device
             pools.swa.flat()[:, torch.tensor(pages.swa[off:], device=dev)] = p.swa.to(dev)
 
-    def stats(self) -> dict:
-        return dict(self.counts)
+    def stats(self) -> SendStats:
+        return SendStats(**self.counts)

@@ -60,10 +60,10 @@ class Staging:
                 out.append((base + s * pb, region.base + (layer * region.num_pages + pages[i]) * pb, pb))
         return coalesce(out)
 
-    def stats(self) -> dict:
+    def usage(self) -> tuple[int, int]:
+        """(staging pages in use, staging pages in all)."""
         with self.lock:
-            return {"staging_pages_used": self.leases.num_pages("stage"),
-                    "staging_pages": self.leases.allocators["stage"].num_pages, **self.leases.counts}
+            return self.leases.num_pages("stage"), self.leases.allocators["stage"].num_pages
 
     def check_integrity(self) -> None:
         with self.lock:

@@ -65,7 +65,7 @@ def test_pd_across_nodes_over_each_one_sided_backend(local_cluster, tmp_path_fac
             assert r["meta_info"]["route"]["decode"]
             numerics.assert_same_output(r["output_ids"], want(ids), mc, f"{backend} across nodes")
         ts = ray.get(h["workers"]["prefill-0"].transfer_stats.remote())
-        assert ts["backend"] == backend
+        assert ts.backend == backend
         if backend != "mooncake":
             return
         hist = [(i * 19) % 251 for i in range(520)]

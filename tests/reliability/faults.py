@@ -21,6 +21,7 @@ from tests.reliability.judge import brief, verify
 from tests.reliability.workload import ERROR, HUNG, Load, LoadConfig, Recorder
 from tests import numerics
 from storage.geometry import KVGeometry
+from storage.transfer import TransferConfig
 
 
 @dataclass
@@ -362,12 +363,12 @@ STALL_TIMEOUT_S = 5.0
 def slow_transfer(ctx: Ctx) -> Healed:
     pre = ctx.handles["workers"]["prefill-0"]
 
-    def options(**changes) -> dict:
+    def options(**changes) -> TransferConfig:
         return ray.get(pre.set_transfer_options.remote(**changes), timeout=30)
 
     # For the fault, prefill-0's send timeout is cut to STALL_TIMEOUT_S and every send stalls past it:
     # the same failure as a 20 s timeout (each of its requests fails), healed in seconds, not a minute.
-    normal = options()["transfer_timeout"]
+    normal = options().transfer_timeout
     timeout = min(normal, STALL_TIMEOUT_S)
     delay = timeout + 2.0
     options(transfer_timeout=timeout, debug_send_delay=delay)

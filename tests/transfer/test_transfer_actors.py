@@ -92,10 +92,10 @@ def test_greedy_tokens_through_each_backend_equal_engine_generate(pairs, referen
     numerics.assert_same_outputs([_serve(pre, dec, ids) for ids in PROMPTS], want, mc, backend)
     for w in (pre, dec):
         assert _used(ray.get(w.stats.remote())) == 0
-    ts = ray.get(pre.transfer_stats.remote())["backend_stats"]
+    ts = ray.get(pre.transfer_stats.remote()).sends
     if backend != "ray_object":
-        assert ts["sends"] == len(PROMPTS) and ts["staging_pages_used"] == 0 and ts["bytes"] > 0
-    assert ray.get(dec.transfer_stats.remote())["leases"]["committed"] == len(PROMPTS)
+        assert ts.sends == len(PROMPTS) and ts.staging_pages_used == 0 and ts.bytes > 0
+    assert ray.get(dec.transfer_stats.remote()).leases.committed == len(PROMPTS)
 
 
 # Not rerun under other ATen paths (make test's numerics reruns): what it checks is where pages go; the
@@ -116,12 +116,12 @@ def test_a_write_landing_after_its_lease_ended_never_changes_another_requests_to
     ray.get(dec.set_transfer_options.remote(lease_seconds=1.5, transfer_timeout=1.0, expiry_interval=0.1))
     ray.get(pre.set_transfer_options.remote(lease_seconds=1.5, transfer_timeout=1.0, debug_write_delay=2.5))
     try:
-        before = ray.get(dec.transfer_stats.remote())["leases"]
+        before = ray.get(dec.transfer_stats.remote()).leases
         ids = PROMPTS[2]
         dest = ray.get(dec.reserve.remote(len(ids), "p0", pre), timeout=60)
         first_ref, _ = pre.prefill_to.remote(ids, SP, dest, dec)
         deadline = time.monotonic() + 30
-        while ray.get(dec.transfer_stats.remote())["leases"]["expired"] == before["expired"]:
+        while ray.get(dec.transfer_stats.remote()).leases.expired == before.expired:
             assert time.monotonic() < deadline, "the lease never ended"
             time.sleep(0.05)
         got = []
@@ -132,15 +132,15 @@ def test_a_write_landing_after_its_lease_ended_never_changes_another_requests_to
         except ray.exceptions.RayTaskError as e:
             assert isinstance(e.cause, TransferError)
         deadline = time.monotonic() + 30
-        while (st := ray.get(dec.transfer_stats.remote())["leases"])["in_quarantine"]:
+        while (st := ray.get(dec.transfer_stats.remote()).leases).in_quarantine:
             assert time.monotonic() < deadline, f"quarantine never released: {st}"
             time.sleep(0.1)
         numerics.assert_same_outputs([got], want, reference[0], f"{backend} late write")
-        assert st["quarantined"] - before["quarantined"] == 1 and st["released"] - before["released"] == 1
+        assert st.quarantined - before.quarantined == 1 and st.released - before.released == 1
         assert ray.get(dec.check_integrity.remote())
         for w in (pre, dec):
             assert _used(ray.get(w.stats.remote())) == 0
-        assert ray.get(pre.transfer_stats.remote())["backend_stats"]["staging_pages_used"] == 0
+        assert ray.get(pre.transfer_stats.remote()).sends.staging_pages_used == 0
     finally:
         for w in (pre, dec):
             ray.get(w.set_transfer_options.remote(lease_seconds=60.0, transfer_timeout=30.0, debug_write_delay=0.0))
@@ -156,13 +156,13 @@ def test_a_stalled_transfer_times_out_cleanly_and_frees_both_sides(pairs):
     try:
         ids = PROMPTS[1]
         dest = ray.get(dec.reserve.remote(len(ids)), timeout=60)
-        assert ray.get(dec.transfer_stats.remote())["leases"]["live"] == 1
+        assert ray.get(dec.transfer_stats.remote()).leases.live == 1
         first_ref, sent_ref = pre.prefill_to.remote(ids, SP, dest)
         with pytest.raises(ray.exceptions.RayTaskError) as ei:
             ray.get(first_ref, timeout=120)
         assert isinstance(ei.value.cause, TransferError)
-        st = ray.get(dec.transfer_stats.remote())["leases"]
-        assert st["live"] == 0 and st["expired"] == 1
+        st = ray.get(dec.transfer_stats.remote()).leases
+        assert st.live == 0 and st.expired == 1
         # a late commit is refused, not served from freed pages
         with pytest.raises(ray.exceptions.RayTaskError, match="expired or was cancelled"):
             for ref in dec.decode_leased.remote(ids, dest.lease_id, Receipt(len(ids), 1, 0, 0), SP):
@@ -181,7 +181,7 @@ def test_killing_the_decode_worker_mid_transfer_frees_the_prefill_side(pairs, ba
     lease = 20.0
     ray.get(pre.set_transfer_options.remote(lease_seconds=lease, transfer_timeout=10.0, debug_send_delay=1.5))
     ids = PROMPTS[2]
-    b0 = ray.get(pre.transfer_stats.remote())["backend_stats"]
+    b0 = ray.get(pre.transfer_stats.remote()).sends
     dest = ray.get(dec.reserve.remote(len(ids)), timeout=60)
     first_ref, _ = pre.prefill_to.remote(ids, SP, dest)
     time.sleep(0.5)
@@ -191,6 +191,6 @@ def test_killing_the_decode_worker_mid_transfer_frees_the_prefill_side(pairs, ba
         ray.get(first_ref, timeout=120)
     assert isinstance(ei.value.cause, TransferError)
     assert time.monotonic() - t0 < lease
-    ts = ray.get(pre.transfer_stats.remote())["backend_stats"]
-    assert ts["staging_pages_used"] == 0 and ts["failed"] + ts["timeouts"] - b0["failed"] - b0["timeouts"] == 1
+    ts = ray.get(pre.transfer_stats.remote()).sends
+    assert ts.staging_pages_used == 0 and ts.failed + ts.timeouts - b0.failed - b0.timeouts == 1
     assert _used(ray.get(pre.stats.remote())) == 0

@@ -55,8 +55,8 @@ def _assert_all_free(cluster):
             stats = ray.get([w.stats.remote() for w in workers.values()], timeout=60)
             tstats = ray.get([w.transfer_stats.remote() for w in workers.values()], timeout=60)
             if all(p["used"] == 0 for s in stats for p in s["pool"].values()) \
-                    and all(t["leases"]["live"] == 0 for t in tstats):
-                assert all(t["backend_stats"].get("staging_pages_used", 0) == 0 for t in tstats)
+                    and all(t.leases.live == 0 for t in tstats):
+                assert all(t.sends.staging_pages_used == 0 for t in tstats)
                 return
         time.sleep(0.5)
     raise AssertionError(f"pools not free: {stats} {tstats}")
@@ -74,8 +74,8 @@ def test_greedy_outputs_over_nixl_equal_engine_generate(cluster, reference):
                                                            {"max_new_tokens": 8, "temperature": 0}}, timeout=90) as resp:
             chunks = [json.loads(ln[6:]) for ln in resp.iter_lines() if ln.startswith("data: {")]
         numerics.assert_same_output(chunks[-1]["output_ids"], want, reference.model_config, "stream")
-    ts = ray.get(cluster["workers"]["prefill-0"].transfer_stats.remote())["backend_stats"]
-    assert ts["sends"] >= 6 and ts["failed"] == 0
+    ts = ray.get(cluster["workers"]["prefill-0"].transfer_stats.remote()).sends
+    assert ts.sends >= 6 and ts.failed == 0
     metrics = httpx.get(f"{url}/metrics", timeout=30).text
     assert 'strata_transfer_bytes_total{worker="prefill-0",backend="nixl"}' in metrics
     _assert_all_free(cluster)
@@ -125,7 +125,7 @@ def test_killing_the_decode_worker_mid_transfer_frees_everything_and_it_comes_ba
     r = out["r"]
     assert r.status_code == 503 and ("kv transfer failed" in r.text or "request failed" in r.text), r.text
     # the prefill side let go of its staging pages at once (well within the lease)
-    assert ray.get(pre.transfer_stats.remote())["backend_stats"]["staging_pages_used"] == 0
+    assert ray.get(pre.transfer_stats.remote()).sends.staging_pages_used == 0
     # the restarted decode worker (a new NIXL agent) serves the next request with the right tokens
     ids = [i % 200 for i in range(150)]
     want = reference.generate([ids], SamplingParams(max_new_tokens=8, return_logits=True))[0]
@@ -149,17 +149,17 @@ def test_killing_the_prefill_worker_mid_transfer_releases_the_decode_lease_at_on
     th = threading.Thread(target=lambda: out.setdefault("r", _post(url, ids)))
     th.start()
     deadline = time.monotonic() + 60
-    while ray.get(dec.transfer_stats.remote())["leases"]["live"] == 0 and time.monotonic() < deadline:
+    while ray.get(dec.transfer_stats.remote()).leases.live == 0 and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert ray.get(dec.transfer_stats.remote())["leases"]["live"] == 1
+    assert ray.get(dec.transfer_stats.remote()).leases.live == 1
     ray.kill(pre, no_restart=False)      # the restarted worker comes back without the test delay
     t0 = time.monotonic()
-    while ray.get(dec.transfer_stats.remote())["leases"]["live"] and time.monotonic() - t0 < 30:
+    while ray.get(dec.transfer_stats.remote()).leases.live and time.monotonic() - t0 < 30:
         time.sleep(0.1)
     freed_after = time.monotonic() - t0
     th.join(180)
-    st = ray.get(dec.transfer_stats.remote())["leases"]
-    assert st["cancelled"] >= 1 and freed_after < 10, (st, freed_after)   # cancelled by the ingress, not expired
+    st = ray.get(dec.transfer_stats.remote()).leases
+    assert st.cancelled >= 1 and freed_after < 10, (st, freed_after)   # cancelled by the ingress, not expired
     # a non-streamed request is retried once on the restarted worker: the client still gets its tokens
     want = reference.generate([ids], SamplingParams(max_new_tokens=8, return_logits=True))[0]
     assert out["r"].status_code == 200, out["r"].text

@@ -42,5 +42,5 @@ def test_greedy_outputs_over_mooncake_equal_engine_generate(cluster):
         r = _post(url, ids).json()
         numerics.assert_same_output(r["output_ids"], want, ref.model_config, str(r))
     ts = ray.get(cluster["workers"]["prefill-0"].transfer_stats.remote())
-    assert ts["backend"] == "mooncake" and ts["backend_stats"]["sends"] == 3
+    assert ts.backend == "mooncake" and ts.sends.sends == 3
     _assert_all_free(cluster)

@@ -23,7 +23,7 @@ def test_an_expired_one_sided_lease_is_quarantined_until_its_send_ends():
     t.allocators["full"].free(taken)
     assert t.send_ended("a") and not t.release("a")
     t.check_integrity()
-    assert t.allocators["full"].num_free == 8 and t.stats()["in_quarantine"] == 0
+    assert t.allocators["full"].num_free == 8 and t.stats().in_quarantine == 0
     assert t.counts["quarantined"] == 1 and t.counts["released"] == 1
 
 
@@ -44,7 +44,7 @@ def test_a_committed_lease_is_never_quarantined():
     t = _table()
     t.reserve("a", {"full": 2, "swa": 1}, 0.0, 1.0, LeaseInfo(40, one_sided=True))
     lease = t.commit("a", 0.5)
-    assert t.stats()["in_quarantine"] == 0 and len(lease.pages["full"]) == 2
+    assert t.stats().in_quarantine == 0 and len(lease.pages["full"]) == 2
 
 
 def test_send_record_refuses_a_lease_it_said_no_for():

@@ -26,7 +26,7 @@ def test_lease_expires_only_once_its_time_has_passed():
     t.reserve("a", {"full": 3, "swa": 2}, now=100.0, ttl=5.0)
     t.reserve("b", {"full": 2, "swa": 1}, now=102.0, ttl=5.0)
     t.check_integrity()
-    assert t.expire(104.9) == [] and t.stats()["pages"] == {"full": 5, "swa": 3}
+    assert t.expire(104.9) == [] and t.stats().pages == {"full": 5, "swa": 3}
     assert [l.lease_id for l in t.expire(105.0)] == ["a"]
     t.check_integrity()
     with pytest.raises(TransferError, match="expired"):
@@ -194,7 +194,7 @@ def test_tick_expires_and_names_quarantined_senders_at_most_once_a_second():
     assert r.release("a") and r.send_ended("b") and r.tick(3.0) == ([], [], [])
     assert r.tick(5.0).expired == ["c"]                      # two-sided: free at once, never quarantined
     dec.check_integrity()
-    assert dec.pools.all_free() and r.stats()["in_quarantine"] == 0
+    assert dec.pools.all_free() and r.stats().in_quarantine == 0
 
 
 def test_reserve_refuses_what_the_pools_cannot_hold():
@@ -258,7 +258,7 @@ def test_staging_descriptors_land_each_layer_page_in_the_leased_page():
     dec.check_integrity()
     numerics.assert_same_outputs(got, want, dec.model_config, "staged")
     be.staging.check_integrity()
-    assert be.staging.stats()["staging_pages_used"] == 0
+    assert be.staging.usage()[0] == 0
     dec.receiver.cancel(pad.lease_id)                 # one-sided, its send never ended: quarantined
     assert not dec.pools.all_free() and dec.receiver.send_ended(pad.lease_id)
     assert dec.pools.all_free()
