@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, NamedTuple
 
-from engine.disagg import KVPayload
+from storage.transfer.base import KVPayload
 from engine.engine import Engine
 from engine.request import Status
 from engine.sampling import SamplingParams

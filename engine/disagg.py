@@ -4,36 +4,13 @@ a decode engine admits a request straight into decode from leased pages a transf
 (engine/pd.py, the one admission path for KV computed elsewhere)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from engine.kv_manager import KVManager
 from engine.request import Request, Status
 from storage.geometry import KVGeometry
 from storage.pools import KVPools
-from storage.transfer.base import LeasedPages, Receipt
-
-
-@dataclass
-class KVPayload:
-    """The prompt KV one request hands from prefill to decode.
-
-    full: [full_layers, ceil(prompt_len / page_size), page_elems]
-    swa:  [swa_layers, n_swa_pages, page_elems], logical pages [swa_first_page, swa_first_page + n)
-    """
-
-    prompt_len: int
-    first_token: int
-    page_size: int
-    full: torch.Tensor
-    swa: torch.Tensor
-    swa_first_page: int
-    swa_valid_from: int = 0   # first position whose SWA KV the payload holds
-
-    @property
-    def nbytes(self) -> int:
-        return self.full.numel() * self.full.element_size() + self.swa.numel() * self.swa.element_size()
+from storage.transfer.base import KVPayload, LeasedPages, Receipt
 
 
 def export_kv(req: Request, pools: KVPools, geom: KVGeometry) -> KVPayload:

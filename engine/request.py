@@ -3,15 +3,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from engine.kv_manager import PageTable
 from engine.sampling import SamplingParams
-
-if TYPE_CHECKING:   # engine/disagg.py imports this module
-    from engine.disagg import KVPayload
+from storage.transfer.base import KVPayload
 
 
 class Status(enum.Enum):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Mapping, NamedTuple, Protocol
+from typing import Mapping, NamedTuple
 
 import torch
 
@@ -46,11 +46,12 @@ class TransferError(RuntimeError):
         return (TransferError, (str(self), self.in_flight))
 
 
-class KVPages(Protocol):
-    """What a backend moves: one prompt's KV as the prefill engine exported it (engine/disagg.KVPayload is
-    the one implementation; storage/ only names the fields it reads, since it never imports engine/).
+@dataclass
+class KVPayload:
+    """What a backend moves: the prompt KV one request hands from prefill to decode, as the prefill
+    engine exports it (engine/disagg.py ``export_kv``).
 
-    full: [full_layers, n_full, page_elems], logical pages [0, n_full)
+    full: [full_layers, ceil(prompt_len / page_size), page_elems], logical pages [0, n_full)
     swa:  [swa_layers, n_swa, page_elems], logical pages [swa_first_page, swa_first_page + n_swa)
     """
 
@@ -60,10 +61,11 @@ class KVPages(Protocol):
     full: torch.Tensor
     swa: torch.Tensor
     swa_first_page: int
-    swa_valid_from: int
+    swa_valid_from: int = 0   # first position whose SWA KV the payload holds
 
     @property
-    def nbytes(self) -> int: ...
+    def nbytes(self) -> int:
+        return self.full.numel() * self.full.element_size() + self.swa.numel() * self.swa.element_size()
 
 
 class PoolRegion(NamedTuple):
@@ -357,7 +359,7 @@ class TransferBackend(ABC):
         return PeerInfo()
 
     @abstractmethod
-    def send(self, payload: KVPages, dest: Destination, timeout: float) -> Receipt:
+    def send(self, payload: KVPayload, dest: Destination, timeout: float) -> Receipt:
         """Move ``payload`` into ``dest``; raises TransferError on failure or past ``timeout``."""
 
     def wait_arrival(self, lease_id: str, timeout: float) -> None:
@@ -393,8 +395,8 @@ class TransferBackend(ABC):
         pass
 
 
-def check_fits(payload: KVPages, dest: Destination) -> int:
-    """Raise TransferError unless ``payload`` (a KVPayload) fills ``dest``'s pages; returns the offset of
+def check_fits(payload: KVPayload, dest: Destination) -> int:
+    """Raise TransferError unless ``payload`` fills ``dest``'s pages; returns the offset of
     its first SWA page inside ``dest.swa_pages`` (an export may start its window later than reserved)."""
     n_full = len(dest.full_pages)
     if payload.prompt_len != dest.prompt_len or payload.page_size != dest.page_size:
@@ -420,10 +422,10 @@ class Receipt(NamedTuple):
     bytes: int = 0
     seconds: float = 0.0
     descriptors: int = 0
-    packed: KVPages | None = None   # ray_object: the packed KV itself (it travels through the object store)
+    packed: KVPayload | None = None   # ray_object: the packed KV itself (it travels through the object store)
     sender: str = ""                # the prefill worker that sent it
 
 
-def receipt(payload: KVPages, **extra) -> Receipt:
+def receipt(payload: KVPayload, **extra) -> Receipt:
     return Receipt(payload.prompt_len, payload.first_token, payload.swa_first_page, payload.swa_valid_from,
                    **{"bytes": payload.nbytes, **extra})

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 
-from storage.transfer.base import (Destination, KVPages, PeerInfo, Receipt, SendStats, TransferBackend, TransferError,
+from storage.transfer.base import (Destination, KVPayload, PeerInfo, Receipt, SendStats, TransferBackend, TransferError,
                                    check_fits, receipt)
 from storage.transfer.staging import Staging, pool_regions
 
@@ -70,7 +70,7 @@ class MooncakeBackend(TransferBackend):
     def peer_info(self) -> PeerInfo:
         return self._info
 
-    def send(self, payload: KVPages, dest: Destination, timeout: float) -> Receipt:
+    def send(self, payload: KVPayload, dest: Destination, timeout: float) -> Receipt:
         if self.staging is None:
             raise TransferError("mooncake: this worker has no staging buffer (not a prefill worker)")
         t0 = time.monotonic()

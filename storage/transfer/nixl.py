@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 
-from storage.transfer.base import (Destination, KVPages, PeerInfo, Receipt, SendStats, TransferBackend, TransferError,
+from storage.transfer.base import (Destination, KVPayload, PeerInfo, Receipt, SendStats, TransferBackend, TransferError,
                                    check_fits, receipt)
 from storage.transfer.staging import Staging, pool_regions
 
@@ -112,7 +112,7 @@ class NixlBackend(TransferBackend):
                 except Exception:  # noqa: BLE001
                     pass
 
-    def send(self, payload: KVPages, dest: Destination, timeout: float) -> Receipt:
+    def send(self, payload: KVPayload, dest: Destination, timeout: float) -> Receipt:
         if self.staging is None:
             raise TransferError("nixl: this worker has no staging buffer (not a prefill worker)")
         t0 = time.monotonic()

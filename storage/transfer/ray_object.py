@@ -15,11 +15,11 @@ import time
 
 import torch
 
-from storage.transfer.base import (Destination, KVPages, LeasedPages, Receipt, SendStats, TransferBackend,
+from storage.transfer.base import (Destination, KVPayload, LeasedPages, Receipt, SendStats, TransferBackend,
                                    TransferError, check_fits, receipt)
 
 
-def pack(payload: KVPages, dest: Destination) -> KVPages:
+def pack(payload: KVPayload, dest: Destination) -> KVPayload:
     """The payload to put in the object store for ``dest`` (checked to fit its leased pages).
     full: [full_layers, n_full, page_elems], swa: [swa_layers, n_swa, page_elems], contiguous."""
     check_fits(payload, dest)
@@ -44,7 +44,7 @@ class RayObjectBackend(TransferBackend):
     def __init__(self) -> None:
         self.counts = {"sends": 0, "failed": 0, "bytes": 0}
 
-    def send(self, payload: KVPages, dest: Destination, timeout: float) -> Receipt:
+    def send(self, payload: KVPayload, dest: Destination, timeout: float) -> Receipt:
         t0 = time.perf_counter()
         try:
             packed = pack(payload, dest)

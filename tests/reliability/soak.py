@@ -38,6 +38,12 @@ class SoakConfig:
     flush_every_s: float = 25.0       # a quiesced flush (POST /flush_cache must answer 200)
     hot_flush_every_s: float = 7.0    # a flush under load (200, or 409 while a worker runs; never 5xx)
     rebalance_every_s: float = 20.0   # when a strata-eplb actor exists
+    # The soak goes on past its end (up to ``overtime_s``) until it has done this many quiesced and hot
+    # flushes: a quiesced flush waits for in-flight requests and a rebalance moves weights, so on a slow
+    # machine the scheduled ones may not all fit into a short soak phase.
+    min_flushes: int = 2
+    min_hot_flushes: int = 3
+    overtime_s: float = 60.0
     faults: list[str] = field(default_factory=list)   # injected in turn, spread over the run
     rss_bound_bytes: int = 256 * MiB  # per worker process, end of warm-up -> end (after flush)
     rss_every_s: float = 60.0         # sample every worker's RSS this often (the report's timeline)
@@ -91,8 +97,9 @@ def run_soak(handles: dict, reference, cfg: SoakConfig, l3_dir: str = "", load: 
         pending = list(cfg.faults)
         fault_gap = (end - t0) / (len(pending) + 1)
         next_fault = t0 + fault_gap
-        while time.monotonic() < end:
-            now = time.monotonic()
+        while (now := time.monotonic()) < end or (
+                now < end + cfg.overtime_s
+                and (ev["flushes"] < cfg.min_flushes or ev["hot_flushes"] < cfg.min_hot_flushes)):
             if now >= nxt["flush"]:
                 with ld.paused():
                     checks.flush(url)
