@@ -24,7 +24,11 @@ proves it:
 - AllBlocksCleared clears the worker on every tier.
 - seq: the first batch it expects is seq 0; on a gap (the first batch included) it asks the replay
   endpoint from the missing seq, then goes on. History published before it connected and never followed
-  by a later batch is not asked for.
+  by a later batch is not asked for. A batch at or below the last seq it saw is dropped unread: a
+  restarted publisher whose seq starts again from 0 is ignored (its AllBlocksCleared included) until its
+  seq passes the old one, or until the worker is registered again (``remove_worker`` + ``add_worker``:
+  the index of the old incarnation is forgotten and the new one is replayed from seq 0).
+- the topic is not read (Dynamo subscribes to every topic).
 - overlaps are prefix lengths in blocks, cumulative down the tiers: ``host`` counts the device prefix plus
   the host blocks that extend it, ``disk`` the same one tier further.
 

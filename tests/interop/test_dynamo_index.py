@@ -57,7 +57,8 @@ class WirePublisher:
         self.encoding, self.topic = encoding, topic
         self.history: list[tuple[int, bytes]] = []
         self.replay_requests: list[int] = []
-        self._pub = ctx.socket(zmq.XPUB)
+        self._ctx = ctx
+        self._pub = self._xpub()
         port = self._pub.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self._router = ctx.socket(zmq.ROUTER)
@@ -67,6 +68,28 @@ class WirePublisher:
         # The ROUTER lives on its own thread (zmq sockets are not shared between threads).
         self._replayer = threading.Thread(target=self._serve_replay, daemon=True)
         self._replayer.start()
+
+    def _xpub(self):
+        sock = self._ctx.socket(zmq.XPUB)
+        sock.setsockopt(zmq.XPUB_VERBOSE, 1)     # every subscription reaches wait_subscribed, not the first
+        return sock
+
+    def restart(self) -> None:
+        """A new incarnation on the same endpoint: its seq starts again from 0, its history is its own."""
+        self._pub.unbind(self.endpoint)
+        self._pub.close(linger=0)
+        self.history.clear()
+        self._pub = self._xpub()
+        # zmq releases the port on its I/O thread, after close() returns: bind again until it is free.
+        deadline = time.monotonic() + 10.0
+        while True:
+            try:
+                self._pub.bind(self.endpoint)
+                return
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
 
     def _serve_replay(self) -> None:
         while not self._stop.is_set():
@@ -83,9 +106,11 @@ class WirePublisher:
 
     def wait_subscribed(self, timeout_s: float = 10.0) -> None:
         """Block until a subscriber's subscription has reached this socket (no slow-joiner loss after)."""
-        if not self._pub.poll(int(timeout_s * 1000)):
-            raise TimeoutError(f"nobody subscribed to {self.endpoint}")
-        assert self._pub.recv()[:1] == b"\x01"
+        deadline = time.monotonic() + timeout_s
+        while self._pub.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            if self._pub.recv()[:1] == b"\x01":     # a subscription (b"\x00": a subscriber leaving)
+                return
+        raise TimeoutError(f"nobody subscribed to {self.endpoint}")
 
     def publish(self, events: list[dict], drop: bool = False) -> int:
         """Send one batch (``drop``: keep it for replay only, as if the network lost it); -> its seq."""
@@ -232,3 +257,28 @@ def test_replay_recovers_what_was_published_before_and_lost_since(wire):
     w1.publish([stored(H[3:4], H[2], blocks(t, 3, 4))])      # seq 3: gap, replay from 2
     expect(index, t, {1: 4})
     assert w1.replay_requests == [0, 2]
+
+
+def test_a_restarted_publisher_is_ignored_until_its_worker_is_registered_again(wire):
+    (w1,), index = wire(1)
+    t, u, v = prompt(7, 2), prompt(8, 2), prompt(9, 2)
+    w1.publish([stored(H[0:1], None, blocks(t, 0, 1))])
+    w1.publish([stored(H[1:2], H[0], blocks(t, 1, 2))])
+    expect(index, t, {1: 2})
+    w1.restart()
+    w1.wait_subscribed()                                      # Dynamo's listener reconnects by itself
+    w1.publish([CLEARED, stored(H[4:5], None, blocks(u, 0, 1))])   # seq 0 and 1 again: at or below the
+    w1.publish([stored(H[5:6], H[4], blocks(u, 1, 2))])            # last seq Dynamo saw, dropped unread
+    w1.publish([stored(H[6:7], None, blocks(v, 0, 1))])            # seq 2 is past it: read
+    expect(index, v, {1: 1})
+    # Seq 0 and 1 went before seq 2 on the same listener: the clear and u's blocks were dropped.
+    assert index.overlaps(t)[1] == TierOverlap(2, 2, 2)
+    assert index.overlaps(u)[1] == TierOverlap(0, 0, 0)
+    # Registered again, the worker starts empty and its new incarnation replays from seq 0.
+    index.remove_worker(1)
+    index.add_worker(w1.stream(1))
+    w1.wait_subscribed()
+    w1.publish([stored(H[7:8], H[6], blocks(v, 1, 2))])
+    expect(index, u, {1: 2})
+    assert index.overlaps(t)[1] == TierOverlap(0, 0, 0)
+    assert index.overlaps(v)[1] == TierOverlap(2, 2, 2)
