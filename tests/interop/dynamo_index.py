@@ -1,7 +1,6 @@
 """NVIDIA Dynamo's KV indexer as a consumer of strata's KV-event wire, for tests.
 
-The point of this harness is that Dynamo reads the workers' bytes unchanged: it does not decode anything
-itself. It registers each worker's PUB endpoint (and replay endpoint) with a Dynamo ``SelectionService``,
+The point is that Dynamo reads the workers' bytes unchanged: this harness decodes nothing. It registers each worker's PUB endpoint (and replay endpoint) with a Dynamo ``SelectionService``,
 the same embedding Ray Serve LLM's ``KVAwareRouter`` uses (ray/llm/_internal/serve/routing_policies/
 kv_aware/kv_token_tracker.py), and Dynamo's own listener subscribes, decodes (its own vLLM wire decoder:
 tagged maps and positional arrays), recomputes its own block hashes from ``token_ids`` and indexes.
@@ -14,9 +13,13 @@ decoder of ours between strata and Dynamo.
 What the pinned Dynamo (ai-dynamo-runtime 1.6.1) does with the wire, as tests/interop/test_dynamo_index.py
 proves it:
 - tiers come from ``medium``: GPU/DEVICE -> device; CPU, CPU_PINNED, CPU_TIER1 -> host; DISK, NVME,
-  CPU_TIER2 -> disk; no medium or an unknown one -> device. "CPU" is the host tier, so an L1 on a CPU
-  device must be published as GPU to count as device here.
-- each tier has its own tree: a BlockStored whose parent block is unknown *in that tier* is dropped whole.
+  CPU_TIER2 -> disk; no medium or an unknown one -> device (GPU, CPU, CPU_PINNED, DISK and none are
+  proven here, the rest read from Dynamo's source). "CPU" is the host tier: an L1 on a CPU device must be
+  published as GPU to count as device.
+- a BlockStored whose parent block Dynamo does not know is dropped whole; a host block may hang off a
+  parent held on device only (as a write-back eviction makes it), a device block whose parent is on the
+  host only is dropped. A match walks blocks while each is on some tier and stops at the first that is on
+  none.
 - a BlockStored whose ``block_size`` differs from the indexer's is dropped whole.
 - only the main attention group is indexed: ``kv_cache_spec_kind`` decides when present (full_attention,
   mla_attention, sink_full_attention kept), else ``group_idx`` (0 kept). Sliding-window events, stored or
@@ -27,7 +30,7 @@ proves it:
   by a later batch is not asked for. A batch at or below the last seq it saw is dropped unread: a
   restarted publisher whose seq starts again from 0 is ignored (its AllBlocksCleared included) until its
   seq passes the old one, or until the worker is registered again (``remove_worker`` + ``add_worker``:
-  the index of the old incarnation is forgotten and the new one is replayed from seq 0).
+  the old incarnation's blocks are forgotten and, with a replay endpoint, the new one is replayed from 0).
 - the topic is not read (Dynamo subscribes to every topic).
 - overlaps are prefix lengths in blocks, cumulative down the tiers: ``host`` counts the device prefix plus
   the host blocks that extend it, ``disk`` the same one tier further.
@@ -72,7 +75,12 @@ class WorkerStream(NamedTuple):
 
 class TierOverlap(NamedTuple):
     """Dynamo's overlap of a prompt with one worker, in blocks, cumulative down the tiers:
-    device <= host <= disk (host = the device prefix extended by host blocks, disk = extended again)."""
+    device <= host <= disk (host = the device prefix extended by host blocks, disk = extended again).
+
+    Against strata's router (actors/routing.Overlap.by_tier, full component): L1 == device and
+    L2 == host - device, as long as each worker's L1 pages are a prefix of its cached pages (strata's
+    L1 evicts leaves first). L3 is not a worker's: the storage actor publishes it as a stream of its own,
+    which Dynamo sees as one more worker, so ``disk`` stays 0 for a strata worker."""
     device: int
     host: int
     disk: int

@@ -209,7 +209,7 @@ def test_removed_cuts_the_prefix_and_cleared_empties_the_worker(wire):
 
 
 def test_tiers_by_medium_cumulative_down_the_tiers(wire):
-    (w1, w2), index = wire(2)
+    (w1, w2, w3), index = wire(3)
     t = prompt(4, 4)
     # Worker 1: L1 (GPU) holds 2 blocks, L2 (CPU_PINNED) the same 2 and one more: host extends device.
     w1.publish([stored(H[0:2], None, blocks(t, 0, 2)),
@@ -217,7 +217,11 @@ def test_tiers_by_medium_cumulative_down_the_tiers(wire):
     # Worker 2: the host tier only; "CPU" is host to Dynamo, and DISK the tier below it.
     w2.publish([stored(H[0:1], None, blocks(t, 0, 1), medium="CPU"),
                 stored(H[0:2], None, blocks(t, 0, 2), medium="DISK")])
-    expect(index, t, {1: TierOverlap(2, 3, 3), 2: TierOverlap(0, 1, 2)})
+    # Worker 3: a host block whose parent is on device only (a leaf written back on eviction while its
+    # parent stays in L1): a lower tier may continue a prefix held above it.
+    w3.publish([stored(H[0:2], None, blocks(t, 0, 2)),
+                stored(H[2:3], H[1], blocks(t, 2, 3), medium="CPU_PINNED")])
+    expect(index, t, {1: TierOverlap(2, 3, 3), 2: TierOverlap(0, 1, 2), 3: TierOverlap(2, 3, 3)})
     # Removal is per tier: the device copy goes, the host copy stays.
     w1.publish([removed(H[0:2])])
     expect(index, t, {1: TierOverlap(0, 3, 3), 2: TierOverlap(0, 1, 2)})
@@ -228,13 +232,36 @@ def test_tiers_by_medium_cumulative_down_the_tiers(wire):
     expect(index, t, {1: TierOverlap(0, 0, 0), 2: TierOverlap(0, 1, 2)})
 
 
+def test_eviction_to_the_host_tier_leaf_first(wire):
+    """A prefix that moves from device to host the way a write-back L1 evicts (leaf first, each leaf
+    written to the host tier before its device copy goes) stays matched, counted on the tier it is on."""
+    (w1, w2, w3), index = wire(3)
+    t = prompt(10, 3)
+    for w in (w1, w2, w3):
+        w.publish([stored(H[0:3], None, blocks(t, 0, 3))])
+    expect(index, t, {1: TierOverlap(3, 3, 3), 2: TierOverlap(3, 3, 3), 3: TierOverlap(3, 3, 3)})
+    # Worker 1: the whole chain, leaf by leaf. Worker 2: the leaf, then its parent, the root stays.
+    for k in (2, 1, 0):
+        w1.publish([stored(H[k:k + 1], H[k - 1] if k else None, blocks(t, k, k + 1), medium="CPU_PINNED"),
+                    removed(H[k:k + 1])])
+    for k in (2, 1):
+        w2.publish([stored(H[k:k + 1], H[k - 1], blocks(t, k, k + 1), medium="CPU_PINNED"),
+                    removed(H[k:k + 1])])
+    # Worker 3: the leaf is written back, then its parent leaves the device with no host copy: the
+    # match stops at the parent, on every tier (the leaf is unreachable, as in strata's own walk).
+    w3.publish([stored(H[2:3], H[1], blocks(t, 2, 3), medium="CPU_PINNED"), removed(H[2:3])])
+    w3.publish([removed(H[1:2])])
+    expect(index, t, {1: TierOverlap(0, 3, 3), 2: TierOverlap(1, 3, 3), 3: TierOverlap(1, 1, 1)})
+
+
 def test_what_dynamo_drops(wire):
     (w1, w2, w3, w4), index = wire(4)
     t = prompt(5, 4)
     # A parent unknown to Dynamo: the whole store is dropped (the chain's first 2 blocks stay).
     w1.publish([stored(H[0:2], None, blocks(t, 0, 2)), stored(H[3:4], H[2], blocks(t, 3, 4))])
     w1.publish([stored(H[2:3], H[1], blocks(t, 2, 3))])       # the missing link comes later: block 4 was lost
-    # The parent is known on another tier only: each tier is its own tree, the store is dropped.
+    # The parent is known on a lower tier only: the device store is dropped (the other way round is kept,
+    # see the tiers test).
     w2.publish([stored(H[0:2], None, blocks(t, 0, 2), medium="CPU_PINNED"),
                 stored(H[2:3], H[1], blocks(t, 2, 3))])
     # Another block size than the indexer's: dropped whole.
