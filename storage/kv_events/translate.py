@@ -75,7 +75,9 @@ class WireMapping:
 
 
 def to_wire(events: Iterable[KVEvent], mapping: WireMapping) -> list[KVWireEvent]:
-    """The wire events of ``events`` (oldest first), one per tree event of a published tier."""
+    """The wire events of ``events`` (oldest first), one per tree event of a published tier. A
+    ``BlockStored``'s ``token_ids`` is the tree node's own list (never changed in place): read it, or
+    encode it at once, never change it."""
     media = dict(mapping.media)
     size, window = mapping.block_size, mapping.window
     out: list[KVWireEvent] = []
@@ -88,7 +90,7 @@ def to_wire(events: Iterable[KVEvent], mapping: WireMapping) -> list[KVWireEvent
         hashes = [int.from_bytes(k[:8], "big") for k in ev.page_keys]   # block_hash, inlined
         if ev.kind == "stored":
             parent: Optional[int] = int.from_bytes(ev.parent[:8], "big") if ev.parent else None
-            out.append(BlockStored(hashes, parent, list(ev.tokens) if ev.tokens is not None else [], size, None,
+            out.append(BlockStored(hashes, parent, ev.tokens if ev.tokens is not None else [], size, None,
                                    medium, None, None, group, FULL_ATTENTION if full else SLIDING_WINDOW,
                                    None if full else window))
         else:

@@ -173,3 +173,43 @@ def test_bad_arguments():
         KVEventPublisher(KVEventsConfig(host=HOST), "")
     with pytest.raises(ValueError):
         KVEventPublisher({"host": HOST}, "m")
+
+
+def test_tree_and_l3_streams(ctx):
+    """A tree's batch then a flush (AllBlocksCleared closing the batch); the storage actor's L3 stream:
+    forwarded L3 writes, evictions by object name, a clear."""
+    from storage.kv_events import DISK, BlockStored, TreeEventStream, WireMapping, block_hash, worker_media
+    from storage.kv_events.l3_stream import L3EventStream
+    from storage.l3.index import L3NameIndex
+    from storage.radix import FULL, L1, L3, KVEvent
+    keys = (bytes(range(16)), bytes(range(1, 17)))
+    toks = list(range(8))
+    with KVEventPublisher(KVEventsConfig(host=HOST), "m") as pub:
+        tree = TreeEventStream(pub, WireMapping.of(4, 0, worker_media("cpu")))
+        assert tree.endpoint == pub.endpoint
+        ev = [KVEvent("stored", L1, FULL, keys, toks), KVEvent("stored", L3, FULL, keys, toks)]
+        assert tree.publish(ev, 1.0) == 0
+        assert tree.publish([KVEvent("removed", L1, FULL, keys)], 2.0, cleared=True) == 1
+        assert tree.publish([KVEvent("stored", L3, FULL, keys, toks)], 3.0) == -1   # no tier of its own
+        l3 = L3EventStream(TreeEventStream(KVEventPublisher(KVEventsConfig(host=HOST), "m"),
+                                           WireMapping.of(4, 0, {L3: DISK})), L3NameIndex("model-x"))
+        try:
+            assert l3.stored(ev, 1.0) == 0                    # only the L3 write of the two
+            assert l3.evicted([l3.names.name(FULL, keys[1]), "unknown"], 2.0) == 1
+            assert l3.evicted(["unknown"], 3.0) == -1
+            assert l3.cleared(4.0) == 2 and len(l3.names) == 0
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
+            sock.connect(l3.stream.endpoint.replay)
+            got = [decode_batch(p).events for _, p in replay(sock, 0)]
+            h = [block_hash(k) for k in keys]
+            assert got == [[BlockStored(h, None, toks, 4, None, DISK, None, None, 0, "full_attention", None)],
+                           [BlockRemoved([h[1]], DISK, 0)], [AllBlocksCleared()]]
+        finally:
+            l3.close()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
+        sock.connect(pub.endpoint.replay)
+        got = [decode_batch(p).events for _, p in replay(sock, 0)]
+        assert [[type(e).__name__ for e in b] for b in got] == [["BlockStored"], ["BlockRemoved", "AllBlocksCleared"]]
+        assert got[0][0].medium == "CPU" and got[0][0].token_ids == toks
