@@ -24,6 +24,7 @@ from actors.ep_host import EPHost
 from engine import Engine, EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine, StreamItem
 from storage.kv_events import KVEventPublisher, KVEventsConfig, KVEventsEndpoint, TreeEventStream, WireMapping, worker_media
+from storage.radix import KVEvent
 from storage.transfer import Destination, TransferConfig, TransferError, make_backend
 from storage.transfer.base import Receipt, SendStats, TransferStats
 from storage.transfer.sends import SendRecord
@@ -62,7 +63,9 @@ class WorkerActor:
         self.kv_events = self._kv_events(kv_events, served_name)
         # L3 is the storage actor's to publish: this worker forwards the L3 writes its tree records.
         self.l3_events_to = storage if storage is not None and kv_events is not None and kv_events.enabled else None
-        if router is not None or self.kv_events is not None:
+        self._l3_cleared_by: threading.Event | None = None   # the flush (its ack) that cleared L3
+        self._reporting = router is not None or self.kv_events is not None or self.l3_events_to is not None
+        if self._reporting:
             threading.Thread(target=self._report_loop, name="strata-report", daemon=True).start()
         # Prefill->decode transfer (storage/transfer): the backend end of this worker, and on the decode
         # side a sweep that frees the pages of expired leases even when nobody calls.
@@ -133,14 +136,18 @@ class WorkerActor:
             flushed, self._flush_ack = self._flush_ack, None
             try:
                 new = self.core.call_blocking(lambda e: e.cache.take_events())
-                if self.router is not None:
-                    pending += new
+                if self.router is not None:   # the router reads page keys only: tokens stay off the Ray path
+                    pending += [KVEvent(e.kind, e.tier, e.component, e.page_keys) if e.tokens is not None else e
+                                for e in new]
                 if self.kv_events is not None:
                     self._publish(new, flushed)
                 if self.l3_events_to is not None:
                     l3 = [e for e in new if e.tier == "L3" and e.kind == "stored"]
                     if l3:
                         self.l3_events_to.l3_stored.remote(l3)
+                    if flushed is not None and flushed is self._l3_cleared_by:   # after the writes before it
+                        self.l3_events_to.l3_cleared.remote()
+                        self._l3_cleared_by = None
                 if self.router is None:
                     if flushed is not None:
                         flushed.set()
@@ -341,12 +348,14 @@ class WorkerActor:
         every L3 page), so a route asked after this returns predicts nothing from before. See
         AsyncEngine.flush_cache for the result; ``router_confirmed`` says whether the router has it."""
         res = await self.core.flush_cache(l3)
-        if res["flushed"] and l3 and self.l3_events_to is not None:
-            self.l3_events_to.l3_cleared.remote()
-        if res["flushed"] and (self.router is not None or self.kv_events is not None):
+        if res["flushed"] and self._reporting:   # the report thread tells the router and the KV-event wire
             ack = threading.Event()
+            if l3 and self.l3_events_to is not None:
+                self._l3_cleared_by = ack
             self._flush_ack = ack
-            res["router_confirmed"] = await asyncio.to_thread(ack.wait, confirm_s)
+            confirmed = await asyncio.to_thread(ack.wait, confirm_s)
+            if self.router is not None:
+                res["router_confirmed"] = confirmed
         return res
 
     async def ping(self) -> str:

@@ -244,3 +244,14 @@ def test_vllm_spec_decodes_our_payloads():
         assert s1.kv_cache_spec_sliding_window == 8 and s1.parent_block_hash == 2**64 - 1
         assert (r.block_hashes, r.medium, r.group_idx) == ([3], CPU_PINNED, 1)
         assert type(c).__name__.endswith("Cleared") and got.data_parallel_rank == 0
+
+
+def test_the_cluster_yaml_maps_the_section():
+    from cluster.config import from_text, load_config
+    cfg = from_text("kv_events:\n  port: 5557\n  encoding: positional\n  buffer_batches: 8\n")
+    assert cfg.kv_events == KVEventsConfig(port=5557, encoding=POSITIONAL, buffer_batches=8)
+    assert load_config().kv_events.enabled and load_config().kv_events.port == 0
+    with pytest.raises(ValueError, match="kv_events"):
+        from_text("kv_events:\n  encoding: json\n")
+    with pytest.raises(ValueError, match="unknown keys"):
+        from_text("kv_events:\n  prot: 1\n")
