@@ -71,6 +71,10 @@ def test_workers_and_l3_publish_the_prompt_and_the_flush(cluster):
             on_workers = set().union(*(_stored(got[w], CPU, GPU) for w in got if w != "L3"))
             return want <= on_workers and want <= _stored(got["L3"], DISK)
         got = _drain(subs, seen)
+        # The sliding component is group 1 with the model's window (strata-tiny is a hybrid model).
+        window = ray.get(router.geometry.remote()).window
+        assert window and any(isinstance(e, BlockStored) and e.group_idx == 1 and e.kv_cache_spec_kind == "sliding_window"
+                              and e.kv_cache_spec_sliding_window == window for w in got for e in got[w])
         # L1 and L2 are each worker's own; L3 only ever comes from the storage actor.
         assert all(e.medium != DISK for w in got if w != "L3" for e in got[w] if hasattr(e, "medium"))
         # The replay socket holds the same history from seq 0, closed by -1.
