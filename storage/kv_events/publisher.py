@@ -102,7 +102,7 @@ class KVEventPublisher:
                     port = self._pub.bind_to_random_port(f"tcp://{host}", min_port=20000, max_port=65536 - off)
                 else:
                     self._pub.bind(f"tcp://{host}:{port}")
-            except zmq.ZMQError as e:
+            except zmq.ZMQBaseError as e:   # ZMQBindError (no random port left) is not a ZMQError
                 last = e
                 continue
             try:
