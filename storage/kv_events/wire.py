@@ -23,7 +23,7 @@ signed producers onto u64 the same way), or bytes, which some producers send.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import msgpack
 
@@ -164,12 +164,7 @@ def topic(host: str, port: int, model: str) -> str:
     return f"kv@{host}:{port}@{model}"
 
 
-def block_counts(events: Sequence[KVWireEvent]) -> int:
-    """Blocks named by ``events`` (stored + removed): a batch's size, for stats."""
-    return sum(len(e.block_hashes) for e in events if not isinstance(e, AllBlocksCleared))
-
-
 __all__ = ["TAGGED", "POSITIONAL", "ENCODINGS", "GPU", "CPU", "CPU_PINNED", "DISK", "EXTERNAL", "MEDIA",
            "FULL_ATTENTION", "SLIDING_WINDOW", "BlockStored", "BlockRemoved", "AllBlocksCleared", "KVWireEvent",
            "EventBatch", "encode_event", "encode_batch", "decode_event", "decode_batch", "encode_seq", "decode_seq",
-           "END_OF_REPLAY", "topic", "block_counts"]
+           "END_OF_REPLAY", "topic"]
