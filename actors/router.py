@@ -18,6 +18,9 @@ class PrefixRouterActor:
                  l3_model: str | None = None) -> None:
         self.core = Router(cfg, geometry, stale_after)
         self.l3_names = None          # storage/l3/index.py: L3 object names -> page keys
+        # Where each worker (and the L3 storage actor) publishes its KV events (storage/kv_events/), as they
+        # tell it: for the status, so a consumer of the wire finds them. Not yet read by the index.
+        self.kv_events: dict[str, dict] = {}
         if l3_model:   # a constructor argument, so a restarted router maps evicted names again
             self.set_l3_model(l3_model)
 
@@ -72,5 +75,10 @@ class PrefixRouterActor:
     def restore_worker(self, worker: str) -> None:
         self.core.restore_worker(worker)
 
+    def kv_events_endpoint(self, publisher: str, endpoint) -> None:
+        """``publisher`` (a worker id, or ``L3``) publishes its KV events at ``endpoint`` (a
+        storage.kv_events.KVEventsEndpoint)."""
+        self.kv_events[publisher] = endpoint._asdict()
+
     def status(self) -> dict:
-        return self.core.status(time.monotonic())
+        return {**self.core.status(time.monotonic()), "kv_events": dict(self.kv_events)}

@@ -13,6 +13,11 @@ It owns what the workers' L3 clients share:
 
 ``worker_config()`` is the L3Config a worker opens its store with (the connection info); ``status()``
 reports capacity, use, evictions, the master's state and the workers' hit/miss/corrupt counts.
+
+With ``kv_events`` enabled the actor is the one publisher of the L3 store on the KV-event wire
+(storage/kv_events/l3_stream.py: medium DISK for the file store, EXTERNAL for Mooncake / NIXL): the L3
+writes workers forward (``l3_stored``), the evictions, and AllBlocksCleared when the store comes back
+empty or the cluster flush clears it (``l3_cleared``).
 """
 from __future__ import annotations
 
@@ -20,11 +25,14 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import ray
 
+from storage.kv_events import KVEventPublisher, KVEventsConfig, KVEventsEndpoint, TreeEventStream, WireMapping, l3_medium
 from storage.l3 import STAT_KEYS, L3Config
+from storage.radix.node import L3
 
 log = logging.getLogger("strata.storage")
 
@@ -178,8 +186,13 @@ class StorageActor:
     forwards what changed to the router (evicted names; "everything is gone" after a master restart)."""
 
     def __init__(self, l3: L3Config, cfg: StorageConfig | None = None, router: str | None = None,
-                 namespace: str | None = None) -> None:
+                 namespace: str | None = None, kv_events: KVEventsConfig | None = None,
+                 l3_model: str | None = None, served_name: str | None = None,
+                 geometry: tuple[int, int] = (0, 0)) -> None:
+        """``kv_events`` / ``l3_model`` (the model id the L3 keys carry) / ``served_name`` / ``geometry``
+        (page size, window in tokens): the L3 publisher, when all are given and it is enabled."""
         self.service = StorageService(l3, cfg, log_dir=os.environ.get("STRATA_HOME"))
+        self.kv_events = self._kv_events(l3, kv_events, l3_model, served_name, geometry)
         # The router by name, not by handle: a handle among the constructor arguments is a reference
         # Ray keeps in its object store for restarts (and logs an error about at every start); a name
         # is plain config, and a restarted actor finds the router (itself perhaps restarted) again.
@@ -189,7 +202,42 @@ class StorageActor:
         self._stop = threading.Event()
         if self.router is not None and self.service.master is not None:
             self.router.l3_reset.remote()   # a (re)started master is empty
+        if self.router is not None and self.kv_events is not None:
+            self.router.kv_events_endpoint.remote("L3", self.kv_events.stream.endpoint)
         threading.Thread(target=self._loop, name="strata-storage", daemon=True).start()
+
+    @staticmethod
+    def _kv_events(l3: L3Config, cfg: KVEventsConfig | None, l3_model: str | None, served_name: str | None,
+                   geometry: tuple[int, int]):
+        if cfg is None or not cfg.enabled or not l3_model or not geometry[0]:
+            return None
+        from storage.kv_events.l3_stream import L3EventStream
+        from storage.l3.index import L3NameIndex
+        host = ray.util.get_node_ip_address() if cfg.host == "auto" else cfg.host
+        try:
+            pub = KVEventPublisher(cfg, served_name or l3_model, host)
+        except OSError as e:
+            log.warning("L3: not publishing KV events: %s", e)
+            return None
+        page_size, window = geometry
+        return L3EventStream(TreeEventStream(pub, WireMapping.of(page_size, window, {L3: l3_medium(l3.backend)})),
+                             L3NameIndex(l3_model))
+
+    def kv_events_endpoint(self) -> KVEventsEndpoint | None:
+        """Where the L3 store's KV events are published (None when they are not)."""
+        return self.kv_events.stream.endpoint if self.kv_events is not None else None
+
+    def l3_stored(self, events: list) -> None:
+        """A worker's tree recorded these L3 writes (its L3 ``stored`` events): publish them."""
+        if self.kv_events is not None:
+            with self._lock:
+                self.kv_events.stored(events, time.time())
+
+    def l3_cleared(self) -> None:
+        """The cluster flush cleared the store (actors/flush.py)."""
+        if self.kv_events is not None:
+            with self._lock:
+                self.kv_events.cleared(time.time())
 
     def _loop(self) -> None:
         while not self._stop.wait(self.service.cfg.evict_interval_s):
@@ -220,6 +268,12 @@ class StorageActor:
             entries = ray.get(self.router.l3_entries.remote(), timeout=30)
             with self._lock:
                 names = names + self.service.audit(entries)
+        if self.kv_events is not None and (names or restarted):
+            with self._lock:
+                if names:
+                    self.kv_events.evicted(names, time.time())
+                if restarted:
+                    self.kv_events.cleared(time.time())
         if self.router is not None and names:
             dropped += ray.get(self.router.l3_evicted.remote(names), timeout=30)
         if self.router is not None and restarted:
@@ -246,3 +300,6 @@ class StorageActor:
         self._stop.set()
         with self._lock:
             self.service.close()
+            if self.kv_events is not None:
+                self.kv_events.close()
+                self.kv_events = None

@@ -2,7 +2,9 @@
 a colocated worker serves through an expert-parallel group whose rank 0 it is (actors/ep_host.py).
 
 Each worker pushes its KV events and load to the router every ``report_interval`` seconds; the first
-report after a (re)start says ``fresh`` so the router forgets what a previous incarnation held.
+report after a (re)start says ``fresh`` so the router forgets what a previous incarnation held. With
+``kv_events`` enabled it also publishes the same batches, L1 and L2 only, on the field's KV-event wire
+(storage/kv_events/: its own ZMQ PUB + replay sockets; ``kv_events_endpoint()`` says where).
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from ray.actor import ActorHandle
 from actors.ep_host import EPHost
 from engine import Engine, EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine, StreamItem
+from storage.kv_events import KVEventPublisher, KVEventsConfig, KVEventsEndpoint, TreeEventStream, WireMapping, worker_media
+from storage.radix import KVEvent
 from storage.transfer import Destination, TransferConfig, TransferError, make_backend
 from storage.transfer.base import Receipt, SendStats, TransferStats
 from storage.transfer.sends import SendRecord
@@ -33,7 +37,8 @@ class WorkerActor:
     def __init__(self, worker_id: str, role: str, engine_cfg: EngineConfig, router=None,
                  report_interval: float = 0.05, transfer_cfg: TransferConfig | None = None, storage=None,
                  l3_refresh_s: float = 2.0, ep_size: int = 1, ep_num_cpus: float = 0.25,
-                 ep_num_gpus: float = 0.0) -> None:
+                 ep_num_gpus: float = 0.0, kv_events: KVEventsConfig | None = None,
+                 served_name: str | None = None) -> None:
         if role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"role must be prefill, decode or colocated, got {role!r}")
         if ep_size > 1 and role != "colocated":
@@ -54,7 +59,13 @@ class WorkerActor:
         # A thread, started here, so a restarted actor reports again without anyone calling it.
         self._stop = threading.Event()
         self._flush_ack: threading.Event | None = None   # set once a report told the router of a flush
-        if router is not None:
+        self._cleared: threading.Event | None = None     # the flush whose AllBlocksCleared is published
+        self.kv_events = self._kv_events(kv_events, served_name)
+        # L3 is the storage actor's to publish: this worker forwards the L3 writes its tree records.
+        self.l3_events_to = storage if storage is not None and kv_events is not None and kv_events.enabled else None
+        self._l3_cleared_by: threading.Event | None = None   # the flush (its ack) that cleared L3
+        self._reporting = router is not None or self.kv_events is not None or self.l3_events_to is not None
+        if self._reporting:
             threading.Thread(target=self._report_loop, name="strata-report", daemon=True).start()
         # Prefill->decode transfer (storage/transfer): the backend end of this worker, and on the decode
         # side a sweep that frees the pages of expired leases even when nobody calls.
@@ -79,8 +90,43 @@ class WorkerActor:
 
     async def start(self) -> dict:
         mc = self.core.engine.model_config
+        ep = self.kv_events.endpoint if self.kv_events is not None else None
         return {"worker_id": self.worker_id, "role": self.role, "vocab_size": mc.vocab_size,
-                "max_context": mc.max_position_embeddings, "model_path": str(self.core.engine.model_path)}
+                "max_context": mc.max_position_embeddings, "model_path": str(self.core.engine.model_path),
+                "kv_events": ep._asdict() if ep is not None else None}
+
+    def _kv_events(self, cfg: KVEventsConfig | None, served_name: str | None) -> TreeEventStream | None:
+        """This worker's publisher on the KV-event wire (None when disabled, or when no port is free: the
+        Ray reports to the router do not depend on it)."""
+        if cfg is None or not cfg.enabled:
+            return None
+        eng = self.core.engine
+        host = ray.util.get_node_ip_address() if cfg.host == "auto" else cfg.host
+        try:
+            pub = KVEventPublisher(cfg, served_name or str(eng.cfg.model), host)
+        except OSError as e:
+            log.warning("%s: not publishing KV events: %s", self.worker_id, e)
+            return None
+        return TreeEventStream(pub, WireMapping.of(eng.cfg.page_size, eng.geometry.window or 0,
+                                                   worker_media(eng.device.type)))
+
+    async def kv_events_endpoint(self) -> KVEventsEndpoint | None:
+        """Where this worker publishes its KV events (topic, PUB and replay addresses), None when it
+        does not."""
+        return self.kv_events.endpoint if self.kv_events is not None else None
+
+    def _publish(self, events: list, flushed: threading.Event | None) -> None:
+        """The batch just taken, on the wire: published once as taken (the router's resends are the Ray
+        path's), a flush's AllBlocksCleared once per flush. Nothing is admitted between a flush and its
+        ack (flush_hold), so no store made after the flush shares its batch."""
+        cleared = flushed is not None and flushed is not self._cleared
+        try:
+            self.kv_events.publish(events, time.time(), cleared)
+        except Exception as e:  # noqa: BLE001 - the wire must not stop the reports; its seq shows the gap
+            log.warning("publishing KV events failed: %r", e)
+            return
+        if cleared:
+            self._cleared = flushed
 
     def _report_loop(self) -> None:
         fresh, pending = True, []
@@ -89,7 +135,25 @@ class WorkerActor:
             # them, and every report before this one carried only what came before the flush.
             flushed, self._flush_ack = self._flush_ack, None
             try:
-                pending += self.core.call_blocking(lambda e: e.cache.take_events())
+                new = self.core.call_blocking(lambda e: e.cache.take_events())
+                if self.router is not None:   # the router reads page keys only: tokens stay off the Ray path
+                    pending += [KVEvent(e.kind, e.tier, e.component, e.page_keys) if e.tokens is not None else e
+                                for e in new]
+                if self.kv_events is not None:
+                    self._publish(new, flushed)
+                if self.l3_events_to is not None:
+                    l3 = [e for e in new if e.tier == "L3" and e.kind == "stored"]
+                    if l3:
+                        self.l3_events_to.l3_stored.remote(l3)
+                    if flushed is not None and flushed is self._l3_cleared_by:   # after the writes before it
+                        self.l3_events_to.l3_cleared.remote()
+                        self._l3_cleared_by = None
+                if self.router is None:
+                    if flushed is not None:
+                        flushed.set()
+                    continue
+                if fresh and self.kv_events is not None:   # a restarted router learns it again
+                    self.router.kv_events_endpoint.remote(self.worker_id, self.kv_events.endpoint)
                 ray.get(self.router.report.remote(self.worker_id, self.role, pending, self.core.load(), fresh,
                                                   flushed is not None), timeout=10)
                 fresh, pending = False, []
@@ -284,10 +348,14 @@ class WorkerActor:
         every L3 page), so a route asked after this returns predicts nothing from before. See
         AsyncEngine.flush_cache for the result; ``router_confirmed`` says whether the router has it."""
         res = await self.core.flush_cache(l3)
-        if res["flushed"] and self.router is not None:
+        if res["flushed"] and self._reporting:   # the report thread tells the router and the KV-event wire
             ack = threading.Event()
+            if l3 and self.l3_events_to is not None:
+                self._l3_cleared_by = ack
             self._flush_ack = ack
-            res["router_confirmed"] = await asyncio.to_thread(ack.wait, confirm_s)
+            confirmed = await asyncio.to_thread(ack.wait, confirm_s)
+            if self.router is not None:
+                res["router_confirmed"] = confirmed
         return res
 
     async def ping(self) -> str:

@@ -15,6 +15,7 @@ from cluster.placement import ROLES as PLACED_ROLES, PlacementConfig, RolePlacem
 from engine.config import EngineConfig
 from engine.eplb import EplbConfig
 from storage.config import HiCacheConfig
+from storage.kv_events import KVEventsConfig
 from storage.l3.config import L3Config, MooncakeConfig, NixlConfig
 from storage.transfer.config import TransferConfig
 
@@ -111,6 +112,7 @@ class ClusterConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)   # the L3 StorageActor (actors/storage.py)
     placement: PlacementConfig = field(default_factory=PlacementConfig)   # which node runs what (cluster/placement.py)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)   # the KV-event wire (storage/kv_events/)
 
     def __post_init__(self) -> None:
         check_ep(self.workers, self.engine)
@@ -168,6 +170,7 @@ _NESTED = {(HiCacheConfig, "l3"): L3Config, (L3Config, "mooncake"): MooncakeConf
            (ClusterConfig, "ray"): RayConfig, (EngineConfig, "hicache"): HiCacheConfig,
            (ClusterConfig, "transfer"): TransferConfig, (EngineConfig, "eplb"): EplbConfig,
            (ClusterConfig, "storage"): StorageConfig, (ClusterConfig, "placement"): PlacementConfig,
+           (ClusterConfig, "kv_events"): KVEventsConfig,
            **{(PlacementConfig, r): RolePlacement for r in PLACED_ROLES}}
 
 

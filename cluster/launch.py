@@ -161,7 +161,7 @@ def start_actors(cfg: ClusterConfig, detached: bool = False, ready_timeout: floa
     router = PrefixRouterActor.options(name=ROUTER_ACTOR, namespace=ns, num_cpus=0.1, get_if_exists=True,
                                        **wk.place_service(cfg, "router"), **life).remote(
         cfg.router, geometry, l3_model=l3_model)
-    storage = _start_storage(cfg, life)
+    storage = _start_storage(cfg, life, l3_model, (geometry.page_size, geometry.window or 0))
     if storage is not None:   # workers open L3 with the storage actor's connection info
         l3 = ray.get(storage.worker_config.remote(), timeout=ready_timeout)
         engine_cfg = dataclasses.replace(engine_cfg, hicache=dataclasses.replace(engine_cfg.hicache, l3=l3))
@@ -196,15 +196,17 @@ def ingress_app(cfg: ClusterConfig, handles: dict, ingress_cls=Ingress):
         mc.max_position_embeddings, s.request_timeout, s.max_inflight, cfg)
 
 
-def _start_storage(cfg: ClusterConfig, life: dict):
-    """The StorageActor owning the L3 service, when the engine has an L3 tier (else None)."""
+def _start_storage(cfg: ClusterConfig, life: dict, l3_model: str | None = None, geometry: tuple[int, int] = (0, 0)):
+    """The StorageActor owning the L3 service, when the engine has an L3 tier (else None); ``l3_model`` and
+    ``geometry`` (page size, window in tokens) name its pages on the KV-event wire."""
     hc = cfg.engine.hicache
     if hc is None or hc.l3 is None or not cfg.storage.enabled:
         return None
     ns = cfg.ray.namespace
     return StorageActor.options(name=STORAGE_ACTOR, namespace=ns, get_if_exists=True,
                                 num_cpus=cfg.storage.num_cpus, **wk.place_service(cfg, "storage"), **life).remote(
-        hc.l3, cfg.storage, ROUTER_ACTOR, ns)
+        hc.l3, cfg.storage, ROUTER_ACTOR, ns, kv_events=cfg.kv_events, l3_model=l3_model,
+        served_name=cfg.server.model_name, geometry=geometry)
 
 
 def shutdown(handles: dict | None = None, serve_too: bool = True) -> None:

@@ -57,7 +57,8 @@ def spawn(cfg, wid: str, role: str, engine_cfg, router, storage, workers_on: dic
         num_gpus=w.num_gpus, resources=need(cfg, role), scheduling_strategy=affinity(node, pc.strategy), **life,
     ).remote(wid, role, engine_cfg, ROUTER_ACTOR if router is not None else None,
              transfer_cfg=cfg.transfer, storage=STORAGE_ACTOR if storage is not None else None, ep_size=w.ep_size,
-             ep_num_cpus=w.num_cpus, ep_num_gpus=w.num_gpus)
+             ep_num_cpus=w.num_cpus, ep_num_gpus=w.num_gpus, kv_events=cfg.kv_events,
+             served_name=cfg.server.model_name)
 
 
 def placed_on(workers: dict, timeout: float = 60.0) -> dict[str, str]:

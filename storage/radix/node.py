@@ -182,12 +182,20 @@ class KVEvent(NamedTuple):
     """A change of what the tree stores: ``page_keys`` gained (``stored``) or lost (``removed``) data of
     ``component`` in ``tier``. Splits emit nothing (no data changes); per (tier, component) the events
     of one key alternate stored/removed, starting with stored. (A NamedTuple: every data change makes
-    one, and a frozen dataclass costs several times more to build.)"""
+    one, and a frozen dataclass costs several times more to build.)
+
+    A ``stored`` event also carries what a consumer that computes its own block ids needs (the field's
+    event wire, storage/kv_events/): ``tokens``, the ``len(page_keys) * page_size`` token ids of those
+    pages (the node's own list, shared, never changed in place; None when the tree never learnt them),
+    and ``parent``, the key of the page before the first one (None at the root). ``removed`` events
+    leave both None."""
 
     kind: str  # "stored" | "removed"
     tier: str  # L1 | L2 | L3
     component: str  # FULL | SWA
     page_keys: tuple[bytes, ...]
+    tokens: Optional[list[int]] = None
+    parent: Optional[bytes] = None
 
 
 class Freed:

@@ -46,7 +46,11 @@ class Tiers:
             setattr(node, slot, value)
             self._sizes[(c, tier)] += len(value or ()) - len(old or ())
         if was != now:
-            self._events.append(KVEvent("stored" if now else "removed", tier, c, tuple(node.keys)))
+            if now:   # the parent's last key: a root child's parent (the root) has no keys
+                pk = node.parent.keys
+                self._events.append(KVEvent("stored", tier, c, tuple(node.keys), node.tokens, pk[-1] if pk else None))
+            else:
+                self._events.append(KVEvent("removed", tier, c, tuple(node.keys)))
             if c == SWA and not now and node.swa_keep and not node.has_any(SWA):
                 node.swa_keep = 0   # a tombstone keeps nothing (and may join its neighbours again)
             if c == FULL and tier != L3:

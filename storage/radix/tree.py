@@ -350,6 +350,8 @@ class RadixTree:
                 res: InsertResult, now: float) -> None:
         """Merge the caller's pages ``[i, i + node.num_pages)`` into an existing node (insert's step)."""
         k = node.num_pages
+        if node.tokens is None and toks is not None:   # before any data change: its event carries them
+            node.tokens = toks[i * self.page_size:(i + k) * self.page_size]
         mine = full[i:i + k]
         have = node.l1_full
         if have is None:
@@ -364,8 +366,6 @@ class RadixTree:
                 self.tiers.set(node, SWA, L1, mine)
         elif mine != have:
             res.free_swa.extend(p for p, q in zip(mine, have) if p is not None and p != q)
-        if node.tokens is None and toks is not None:
-            node.tokens = toks[i * self.page_size:(i + k) * self.page_size]
 
     def _keep_windows(self, last: Node, ends: dict[int, int]) -> None:
         """Raise ``swa_keep`` to ``ends[e]`` on the nodes covering the window ``[e - W, e)`` before each

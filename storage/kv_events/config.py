@@ -1,0 +1,48 @@
+"""``KVEventsConfig``: whether and where a process publishes its KV events on the field's wire
+(publisher.py). One section of the cluster YAML (``kv_events:``), the same for every worker and for the
+L3 storage actor; each of them binds its own ports."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from storage.kv_events.wire import ENCODINGS, TAGGED
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """``host``: the address bound and advertised (in the topic and the endpoints); ``auto`` is this node's
+    IP (the actor shell resolves it). ``port``: the first PUB port tried, ``port_range`` ports from it
+    (several publishers share a node: the first free one wins; expose that range); 0 takes any free port
+    (the endpoints are still discoverable: ``WorkerActor.kv_events_endpoint()``, the router's status).
+    The replay (ROUTER) socket binds ``replay_port_offset`` above the PUB port (1000: where Ray Serve
+    LLM's KV-aware router looks). ``encoding``: ``tagged`` maps or ``positional`` arrays (wire.py).
+    ``buffer_batches``: the batches kept for replay (older ones are dropped: a consumer further behind
+    must resync otherwise). ``send_hwm``: messages ZMQ queues per slow subscriber before it drops."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = 0
+    port_range: int = 64
+    replay_port_offset: int = 1000
+    encoding: str = TAGGED
+    buffer_batches: int = 10_000
+    send_hwm: int = 100_000
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"kv_events.enabled must be a bool, got {self.enabled!r}")
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"kv_events.host must be an address or 'auto', got {self.host!r}")
+        for name, lo, hi in (("port", 0, 65535), ("port_range", 1, 65535), ("replay_port_offset", 1, 65535),
+                             ("buffer_batches", 1, None), ("send_hwm", 0, None)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+                raise ValueError(f"kv_events.{name} must be an int in [{lo}, {hi or 'inf'}], got {v!r}")
+        if self.port and self.port + self.port_range - 1 + self.replay_port_offset > 65535:
+            raise ValueError(f"kv_events: port {self.port} + port_range {self.port_range} + replay_port_offset "
+                             f"{self.replay_port_offset} runs past 65535")
+        if self.encoding not in ENCODINGS:
+            raise ValueError(f"kv_events.encoding must be one of {ENCODINGS}, got {self.encoding!r}")
+
+
+__all__ = ["KVEventsConfig"]
