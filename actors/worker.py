@@ -108,7 +108,7 @@ class WorkerActor:
             log.warning("%s: not publishing KV events: %s", self.worker_id, e)
             return None
         return TreeEventStream(pub, WireMapping.of(eng.cfg.page_size, eng.geometry.window or 0,
-                                                   worker_media(eng.device.type)))
+                                                   worker_media(cfg.l1_medium)))
 
     async def kv_events_endpoint(self) -> KVEventsEndpoint | None:
         """Where this worker publishes its KV events (topic, PUB and replay addresses), None when it

@@ -60,7 +60,7 @@ def batches() -> tuple[list[list], float]:
 
 def publish_all(evs: list[list], encoding: str) -> dict:
     cfg = KVEventsConfig(host="127.0.0.1", encoding=encoding, buffer_batches=10_000, send_hwm=0)
-    stream = TreeEventStream(KVEventPublisher(cfg, "bench"), WireMapping.of(tb.PAGE, tb.WINDOW, worker_media("cuda")))
+    stream = TreeEventStream(KVEventPublisher(cfg, "bench"), WireMapping.of(tb.PAGE, tb.WINDOW, worker_media()))
     ctx = mp.get_context("spawn")
     ready, done = ctx.Event(), ctx.Value("i", 0)
     want = sum(1 for b in evs if b)

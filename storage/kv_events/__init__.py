@@ -8,7 +8,7 @@ tree's events, translated and published).
 from storage.kv_events.config import KVEventsConfig
 from storage.kv_events.publisher import KVEventPublisher, KVEventsEndpoint, PublisherStats
 from storage.kv_events.stream import TreeEventStream
-from storage.kv_events.translate import (FULL_GROUP, SLIDING_GROUP, WireMapping, block_hash, l1_medium, l3_medium,
+from storage.kv_events.translate import (FULL_GROUP, SLIDING_GROUP, WireMapping, block_hash, l3_medium,
                                          to_wire, worker_media)
 from storage.kv_events.wire import (CPU, CPU_PINNED, DISK, END_OF_REPLAY, ENCODINGS, EXTERNAL, FULL_ATTENTION, GPU,
                                     POSITIONAL, SLIDING_WINDOW, TAGGED, AllBlocksCleared, BlockRemoved, BlockStored,
@@ -16,7 +16,7 @@ from storage.kv_events.wire import (CPU, CPU_PINNED, DISK, END_OF_REPLAY, ENCODI
                                     encode_event, encode_seq, topic)
 
 __all__ = ["KVEventsConfig", "KVEventPublisher", "KVEventsEndpoint", "PublisherStats", "TreeEventStream", "FULL_GROUP", "SLIDING_GROUP",
-           "WireMapping", "block_hash", "l1_medium", "l3_medium", "to_wire", "worker_media", "CPU", "CPU_PINNED", "DISK",
+           "WireMapping", "block_hash", "l3_medium", "to_wire", "worker_media", "CPU", "CPU_PINNED", "DISK",
            "END_OF_REPLAY", "ENCODINGS", "EXTERNAL", "FULL_ATTENTION", "GPU", "POSITIONAL", "SLIDING_WINDOW", "TAGGED",
            "AllBlocksCleared", "BlockRemoved", "BlockStored", "EventBatch", "KVWireEvent", "decode_batch",
            "decode_event", "decode_seq", "encode_batch", "encode_event", "encode_seq", "topic"]

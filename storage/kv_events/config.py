@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from storage.kv_events.wire import ENCODINGS, TAGGED
+from storage.kv_events.wire import CPU, ENCODINGS, GPU, TAGGED
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,11 @@ class KVEventsConfig:
     The replay (ROUTER) socket binds ``replay_port_offset`` above the PUB port (1000: where Ray Serve
     LLM's KV-aware router looks). ``encoding``: ``tagged`` maps or ``positional`` arrays (wire.py).
     ``buffer_batches``: the batches kept for replay (older ones are dropped: a consumer further behind
-    must resync otherwise). ``send_hwm``: messages ZMQ queues per slow subscriber before it drops."""
+    must resync otherwise). ``send_hwm``: messages ZMQ queues per slow subscriber before it drops.
+    ``l1_medium``: the medium L1 is published as. Consumers read ``GPU`` as the engine's device tier and
+    ``CPU`` / ``CPU_PINNED`` as host offload (Dynamo's indexer: device vs host blocks), so L1 is ``GPU``
+    by default even where the engine's device is the CPU: it is still the tier the engine computes from.
+    ``CPU`` names the device literally (a consumer then counts L1 as host)."""
 
     enabled: bool = True
     host: str = "127.0.0.1"
@@ -27,6 +31,7 @@ class KVEventsConfig:
     encoding: str = TAGGED
     buffer_batches: int = 10_000
     send_hwm: int = 100_000
+    l1_medium: str = GPU
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -41,6 +46,8 @@ class KVEventsConfig:
         if self.port and self.port + self.port_range - 1 + self.replay_port_offset > 65535:
             raise ValueError(f"kv_events: port {self.port} + port_range {self.port_range} + replay_port_offset "
                              f"{self.replay_port_offset} runs past 65535")
+        if self.l1_medium not in (GPU, CPU):
+            raise ValueError(f"kv_events.l1_medium must be {GPU!r} or {CPU!r}, got {self.l1_medium!r}")
         if self.encoding not in ENCODINGS:
             raise ValueError(f"kv_events.encoding must be one of {ENCODINGS}, got {self.encoding!r}")
 

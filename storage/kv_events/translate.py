@@ -9,8 +9,8 @@ KV-cache groups and media.
   ``sliding_window`` with ``kv_cache_spec_sliding_window`` = the window in tokens. A group-1
   ``BlockRemoved`` is a tombstone: those pages' window is gone from that medium while their full KV
   may stay (a full-only consumer, Dynamo, ignores group 1).
-* **Media.** One per tier the publisher owns (``media``): a worker publishes L1 (``GPU``, or ``CPU`` when its
-  device is a CPU) and L2 (``CPU_PINNED``); L3 is shared, published once by the storage actor (``DISK`` for
+* **Media.** One per tier the publisher owns (``media``): a worker publishes L1 (``GPU`` by default: the engine's
+  device tier, whatever the device; KVEventsConfig.l1_medium) and L2 (``CPU_PINNED``); L3 is shared, published once by the storage actor (``DISK`` for
   the file store, ``EXTERNAL`` for Mooncake / NIXL). Events of other tiers are skipped.
 
 Order is the tree's, which emits a stored node after its parent (inserts walk down; an L1 load needs the
@@ -35,19 +35,15 @@ def block_hash(page_key: bytes) -> int:
     return int.from_bytes(page_key[:8], "big")
 
 
-def l1_medium(device: str) -> str:
-    """``GPU`` for an accelerator device (``cuda``...), ``CPU`` for a CPU one."""
-    return CPU if str(device).split(":")[0] == "cpu" else GPU
-
-
 def l3_medium(backend: str) -> str:
     """``DISK`` for the file store, ``EXTERNAL`` for a remote one (mooncake, nixl)."""
     return DISK if backend == "file" else EXTERNAL
 
 
-def worker_media(device: str) -> dict[str, str]:
-    """The media a worker publishes: its own tiers (L1, L2). L3 is the storage actor's."""
-    return {L1: l1_medium(device), L2: CPU_PINNED}
+def worker_media(l1: str = GPU) -> dict[str, str]:
+    """The media a worker publishes: its own tiers, L1 as ``l1`` (KVEventsConfig.l1_medium) and L2 as
+    host memory. L3 is the storage actor's."""
+    return {L1: l1, L2: CPU_PINNED}
 
 
 @dataclass(frozen=True)
@@ -98,5 +94,5 @@ def to_wire(events: Iterable[KVEvent], mapping: WireMapping) -> list[KVWireEvent
     return out
 
 
-__all__ = ["FULL_GROUP", "SLIDING_GROUP", "block_hash", "l1_medium", "l3_medium", "worker_media", "WireMapping",
+__all__ = ["FULL_GROUP", "SLIDING_GROUP", "block_hash", "l3_medium", "worker_media", "WireMapping",
            "to_wire"]

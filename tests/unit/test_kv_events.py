@@ -11,7 +11,7 @@ from storage.hashing import page_keys
 from storage.kv_events import (CPU, CPU_PINNED, DISK, EXTERNAL, FULL_ATTENTION, GPU, POSITIONAL, SLIDING_WINDOW,
                                TAGGED, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEventsConfig,
                                WireMapping, block_hash, decode_batch, decode_event, decode_seq, encode_batch,
-                               encode_seq, l1_medium, l3_medium, to_wire, topic, worker_media)
+                               encode_seq, l3_medium, to_wire, topic, worker_media)
 from storage.radix import FULL, L1, L2, L3, SWA, KVEvent, RadixTree
 
 PS, W = 4, 2   # tokens per page, window in pages
@@ -93,9 +93,11 @@ def test_block_hash_is_a_stable_u64_of_the_page_key():
 
 
 def test_media():
-    assert l1_medium("cuda") == GPU and l1_medium("cuda:1") == GPU and l1_medium("cpu") == CPU
     assert l3_medium("file") == DISK and l3_medium("mooncake") == EXTERNAL and l3_medium("nixl") == EXTERNAL
-    assert worker_media("cpu") == {L1: CPU, L2: CPU_PINNED}
+    assert worker_media() == {L1: GPU, L2: CPU_PINNED} and worker_media(CPU) == {L1: CPU, L2: CPU_PINNED}
+    assert KVEventsConfig().l1_medium == GPU     # consumers read GPU as the device tier, CPU as host
+    with pytest.raises(ValueError, match="l1_medium"):
+        KVEventsConfig(l1_medium="DISK")
 
 
 def test_mapping_is_validated():
@@ -128,7 +130,7 @@ def tree_events():
 
 def test_translation_groups_media_tokens_and_parents():
     t, toks, k, stored, removed = tree_events()
-    m = WireMapping.of(PS, W * PS, worker_media("cuda"))
+    m = WireMapping.of(PS, W * PS, worker_media())
     wire = to_wire(stored, m)
     ids = [block_hash(x) for x in k]
     assert {e.medium for e in wire} == {GPU, CPU_PINNED}            # L3 is not a worker's to publish
@@ -156,7 +158,7 @@ def test_translation_groups_media_tokens_and_parents():
 
 def test_translation_of_a_model_without_sliding_layers_and_of_the_storage_actor():
     t, toks, k, stored, removed = tree_events()
-    full_only = to_wire(stored + removed, WireMapping.of(PS, 0, worker_media("cpu")))
+    full_only = to_wire(stored + removed, WireMapping.of(PS, 0, worker_media(CPU)))
     assert full_only and all(e.group_idx == 0 and e.medium in (CPU, CPU_PINNED) for e in full_only)
     l3 = to_wire(stored, WireMapping.of(PS, W * PS, {L3: DISK}))
     assert [h for e in l3 for h in e.block_hashes] == [block_hash(x) for x in k]

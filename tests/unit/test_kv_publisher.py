@@ -185,7 +185,7 @@ def test_tree_and_l3_streams(ctx):
     keys = (bytes(range(16)), bytes(range(1, 17)))
     toks = list(range(8))
     with KVEventPublisher(KVEventsConfig(host=HOST), "m") as pub:
-        tree = TreeEventStream(pub, WireMapping.of(4, 0, worker_media("cpu")))
+        tree = TreeEventStream(pub, WireMapping.of(4, 0, worker_media()))
         assert tree.endpoint == pub.endpoint
         ev = [KVEvent("stored", L1, FULL, keys, toks), KVEvent("stored", L3, FULL, keys, toks)]
         assert tree.publish(ev, 1.0) == 0
@@ -212,4 +212,4 @@ def test_tree_and_l3_streams(ctx):
         sock.connect(pub.endpoint.replay)
         got = [decode_batch(p).events for _, p in replay(sock, 0)]
         assert [[type(e).__name__ for e in b] for b in got] == [["BlockStored"], ["BlockRemoved", "AllBlocksCleared"]]
-        assert got[0][0].medium == "CPU" and got[0][0].token_ids == toks
+        assert got[0][0].medium == "GPU" and got[0][0].token_ids == toks
