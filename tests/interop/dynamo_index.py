@@ -80,7 +80,7 @@ class TierOverlap(NamedTuple):
     Against strata's router (actors/routing.Overlap.by_tier, full component): L1 == device and
     L2 == host - device, as long as each worker's L1 pages are a prefix of its cached pages (strata's
     L1 evicts leaves first). L3 is not a worker's: the storage actor publishes it as a stream of its own,
-    which Dynamo sees as one more worker, so ``disk`` stays 0 for a strata worker."""
+    which Dynamo sees as one more worker, so a strata worker has no disk blocks and ``disk == host``."""
     device: int
     host: int
     disk: int

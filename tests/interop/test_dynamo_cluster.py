@@ -12,7 +12,12 @@ mid-way) then checks before every request, once both sides have caught up:
 - for the worker the router then picks, strata's SWA-exact prediction (``meta_info.route
   .predicted_cached_tokens``) equals the hit the worker delivers (``meta_info.cached_tokens``), and Dynamo's
   full-only prediction is never below it: it counts pages whose window is gone (a tombstoned sliding
-  window is invisible to Dynamo). The overestimate is printed.
+  window is invisible to Dynamo). The overestimate is printed;
+- the delivered hit came from the tiers Dynamo names for that worker (``meta_info.cached_tokens_by_tier``:
+  its first pages from the device prefix, the rest from the host tier).
+
+The first turns are spread over both workers by draining the other one (the router's operator verb) while
+each is sent: one request at a time, every conversation would follow the shared system prompt to the first.
 
 L3 is off: it is shared and published by the storage actor as a stream of its own, which Dynamo would see
 as one more worker, never as a prefill worker's tier; without it every hit comes from the worker's own L1
@@ -158,12 +163,20 @@ class Row(NamedTuple):
     worker: str                         # the prefill worker the router chose
     predicted: int                      # meta_info.route.predicted_cached_tokens
     delivered: int                      # meta_info.cached_tokens
+    delivered_by_tier: dict[str, int]   # meta_info.cached_tokens_by_tier: where the worker found them
     page: int
 
     @property
     def dynamo_tokens(self) -> int:
         """Dynamo's full-only prediction for the chosen worker: its prefix on device or host."""
         return self.dynamo[self.worker].host * self.page
+
+    @property
+    def dynamo_split(self) -> dict[str, int]:
+        """The delivered hit split as Dynamo's tiers for the chosen worker say: its first pages from the
+        device prefix, the rest from the host."""
+        l1 = min(self.delivered, self.dynamo[self.worker].device * self.page)
+        return {"L1": l1, "L2": self.delivered - l1, "L3": 0}
 
 
 def test_dynamo_indexes_the_prefill_workers_as_strata_s_router_does(cluster, dynamo):
@@ -191,7 +204,8 @@ def test_dynamo_indexes_the_prefill_workers_as_strata_s_router_does(cluster, dyn
         """One request sent after ``seen`` = observe(ids) (nothing else runs meanwhile); -> its answer."""
         meta = out["meta_info"]
         rows.append(Row(name, len(ids), *seen, meta["route"]["prefill"],
-                        meta["route"]["predicted_cached_tokens"], meta["cached_tokens"], page))
+                        meta["route"]["predicted_cached_tokens"], meta["cached_tokens"],
+                        meta["cached_tokens_by_tier"], page))
         return out["output_ids"]
 
     # Turn 0: the conversations alternate between the workers. One request at a time, each would follow
@@ -244,8 +258,11 @@ def test_dynamo_indexes_the_prefill_workers_as_strata_s_router_does(cluster, dyn
     # Dynamo, blind to sliding windows, never predicts less than is delivered, and here more: some
     # windows were evicted (an edit hits mid-sequence, where only kept windows stay) while full pages stayed.
     assert all(o >= 0 for o in over), rows
+    # Where the delivered pages came from is where Dynamo's tiers put them (L1 evicts leaves first, so a
+    # worker's device pages are a prefix of what it holds).
+    assert [r.delivered_by_tier for r in rows] == [r.dynamo_split for r in rows], rows
     assert sum(over) > 0, "no window was gone where Dynamo counted full pages: the SWA pool is too large"
     # The run exercised what it claims: hits on both workers, and pages on the host tier only.
     assert {r.worker for r in rows if r.delivered} == set(PREFILL), rows
-    assert any(o.host > o.device for r in rows for o in r.dynamo.values()), \
-        "no prompt found a worker's pages on the host tier only: the pools are too large for this run"
+    assert any(r.delivered_by_tier["L2"] for r in rows), \
+        "no hit came from the host tier: the L1 pool is too large for this run"
