@@ -223,7 +223,9 @@ def test_the_abcd_probe_hits_from_every_branch_point_through_the_cluster(cluster
     hits = {k: m["cached_tokens"] for k, m in got.items()}
     # A is cold; should it still have been retried, its second attempt finds the first's whole prompt.
     assert hits["A"] in (0, 608) and hits["B"] >= 584 and hits["C"] >= 584 and hits["D"] >= 288, got
-    assert all(m["route"]["decode"] is not None for m in got.values())          # P/D, not colocated
-    assert {m["route"]["prefill"] for m in got.values()} == {got["A"]["route"]["prefill"]}
+    assert all(m["route"]["decode"] is not None for m in got.values()), got      # P/D, not colocated
+    # The router predicts each hit exactly. Mostly all four go to A's prefill worker; a busy moment may send
+    # one to the other, which then serves P's pages from L3 (this cluster writes through to a shared
+    # store): the prediction must still be the hit.
     assert {k: m["route"]["predicted_cached_tokens"] for k, m in got.items() if k != "A"} == \
-        {k: v for k, v in hits.items() if k != "A"}
+        {k: v for k, v in hits.items() if k != "A"}, got
