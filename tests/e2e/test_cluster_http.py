@@ -225,7 +225,11 @@ def test_the_abcd_probe_hits_from_every_branch_point_through_the_cluster(cluster
     assert hits["A"] in (0, 608) and hits["B"] >= 584 and hits["C"] >= 584 and hits["D"] >= 288, got
     assert all(m["route"]["decode"] is not None for m in got.values()), got      # P/D, not colocated
     # The router predicts each hit exactly. Mostly all four go to A's prefill worker; a busy moment may send
-    # one to the other, which then serves P's pages from L3 (this cluster writes through to a shared
-    # store): the prediction must still be the hit.
+    # one to the other, which holds none of P in L1/L2 and so must serve P's pages from L3 (this cluster
+    # writes through to a shared store).
     assert {k: m["route"]["predicted_cached_tokens"] for k, m in got.items() if k != "A"} == \
         {k: v for k, v in hits.items() if k != "A"}, got
+    for k, m in got.items():
+        if m["route"]["prefill"] != got["A"]["route"]["prefill"]:
+            d = m["cached_tokens_details"]
+            assert d["device"] == 0 and d["host"] == 0 and d.get("storage", 0) == hits[k] > 0, (k, got)
