@@ -16,7 +16,7 @@ from actors.flush import flush_cluster
 from actors.handoff import KVHandoff, ReceiptRef, Reservation
 from actors.http_api import build_app
 from actors.prefix_router import Route
-from actors.routing import NoWorkerError, prompt_keys
+from actors.routing import NoWorkerError, prompt_blocks
 from actors.metrics import Metrics
 from actors.served import Served, ServedStream
 from engine.async_engine import StreamItem
@@ -58,7 +58,7 @@ class RayBackend:
             if self.router_cfg is None:
                 self.router_cfg, self.geometry = await self.router.config.remote(), await self.router.geometry.remote()
             # hashed here: ingress replicas scale, the router doesn't
-            keys = prompt_keys(ids, self.geometry, self.router_cfg)
+            keys = prompt_blocks(ids, self.geometry, self.router_cfg)
             if pin is not None and pin.prefill in self.workers and pin.decode in (None, *self.workers) \
                     and not {pin.prefill, pin.decode} & set(avoid):
                 served = Served(pin.prefill, pin.decode)   # not predicted: the router was not asked
@@ -85,7 +85,7 @@ class RayBackend:
         ns = self.settings.ray.namespace if self.settings is not None else "strata"
         return ray.get_actor(f"strata-{worker}", namespace=ns)
 
-    async def _route(self, keys: list[bytes], n: int, avoid: tuple[str, ...], wait: float = 10.0) -> Route:
+    async def _route(self, keys: list[int], n: int, avoid: tuple[str, ...], wait: float = 10.0) -> Route:
         """Ask the router; a router that has just restarted knows no worker until their next reports
         (every report interval), so "no prefill/decode worker" is retried for a few seconds rather than
         failing."""

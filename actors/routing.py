@@ -1,10 +1,11 @@
 """The global prefix index and the route policy (pure: no Ray; the router actor holds one of these).
 
-Workers publish KV events (storage/radix/node.KVEvent: pages stored/removed per tier and component);
-the shared L3 store publishes its writes and evictions the same way under the worker id ``L3``. The
-index answers, per prefill worker, how much of a prompt that worker could serve from cache: full pages
-it holds in L1/L2 or L3 has, usable only up to a point where the last window of SWA pages is also held
-(by the worker or L3) -- the rule of the worker's own radix tree.
+Workers publish their trees' KV events on the field's wire (storage/kv_events/: BlockStored / BlockRemoved
+per medium and KV-cache group); the shared L3 store publishes its writes and evictions the same way, as
+the holder ``L3``. The index keys pages by the wire's block id (``block_hash``: a u64 from the page key)
+and answers, per prefill worker, how much of a prompt that worker could serve from cache: full pages it
+holds in L1/L2 or L3 has, usable only up to a point where the last window of SWA pages is also held (by
+the worker or L3) -- the rule of the worker's own radix tree.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from typing import Iterable, Mapping, Sequence
 
 from storage.geometry import KVGeometry
 from storage.hashing import DEFAULT_SEED, page_keys
+from storage.kv_events.translate import FULL_GROUP, SLIDING_GROUP
+from storage.kv_events.wire import AllBlocksCleared, BlockStored
 
 L3_WORKER = "L3"
 TIER_RANK = {"L1": 0, "L2": 1, "L3": 2}
@@ -57,32 +60,69 @@ class Overlap:
 
 
 class PrefixIndex:
-    """page key -> holder -> tiers, separately for the full and the SWA component."""
+    """block id -> holder -> tiers, separately for the full and the SWA component. A block id is the wire's
+    (storage/kv_events/translate.block_hash: the first 8 bytes of the page key as a u64)."""
 
     def __init__(self) -> None:
-        self._full: dict[bytes, dict[str, set[str]]] = defaultdict(dict)
-        self._swa: dict[bytes, dict[str, set[str]]] = defaultdict(dict)
-        self._by_worker: dict[str, set[bytes]] = defaultdict(set)
+        self._full: dict[int, dict[str, set[str]]] = defaultdict(dict)
+        self._swa: dict[int, dict[str, set[str]]] = defaultdict(dict)
+        self._by_worker: dict[str, set[int]] = defaultdict(set)
 
     def __len__(self) -> int:
         return len(self._full)
 
     def apply(self, worker: str, events: Iterable) -> None:
+        """Apply a tree's KV events (storage/radix/node.KVEvent: page keys, tier, component)."""
         for ev in events:
-            table = self._full if ev.component == "full" else self._swa
-            for key in ev.page_keys:
-                holders = table[key]
-                if ev.kind == "stored":
-                    holders.setdefault(worker, set()).add(ev.tier)
-                    self._by_worker[worker].add(key)
-                else:
-                    tiers = holders.get(worker)
-                    if tiers is not None:
-                        tiers.discard(ev.tier)
-                        if not tiers:
-                            del holders[worker]
-                    if not holders:
-                        del table[key]
+            self._change(worker, ev.kind == "stored", ev.tier, ev.component == "full",
+                         [int.from_bytes(k[:8], "big") for k in ev.page_keys])
+
+    def apply_wire(self, holder: str, events: Iterable, tiers: Mapping[str, str]) -> int:
+        """Apply wire events (storage/kv_events/wire.py) of one publisher; ``tiers``: medium -> tier
+        (media not named are skipped, as are groups other than full (0) and sliding (1)). An
+        ``AllBlocksCleared`` forgets everything ``holder`` held. Returns the events applied."""
+        n = 0
+        for ev in events:
+            if isinstance(ev, AllBlocksCleared):
+                self.drop_worker(holder)
+                n += 1
+                continue
+            tier = tiers.get(ev.medium)
+            group = ev.group_idx or 0
+            if tier is None or group not in (FULL_GROUP, SLIDING_GROUP):
+                continue
+            hashes = ev.block_hashes
+            if hashes and not isinstance(hashes[0], int):   # a producer sending bytes
+                hashes = [int.from_bytes(bytes(h)[:8], "big") for h in hashes]
+            self._change(holder, isinstance(ev, BlockStored), tier, group == FULL_GROUP, hashes)
+            n += 1
+        return n
+
+    def _change(self, worker: str, stored: bool, tier: str, full: bool, blocks: Iterable[int]) -> None:
+        table = self._full if full else self._swa
+        if stored:
+            mine = self._by_worker[worker]
+            for key in blocks:
+                table[key].setdefault(worker, set()).add(tier)
+                mine.add(key)
+            return
+        for key in blocks:
+            holders = table.get(key)
+            if holders is None:
+                continue
+            tiers = holders.get(worker)
+            if tiers is not None:
+                tiers.discard(tier)
+                if not tiers:
+                    del holders[worker]
+            if not holders:
+                del table[key]
+
+    def blocks(self, worker: str, tier: str | None = None, full: bool = True) -> set[int]:
+        """The block ids ``worker`` holds (in ``tier``, or any), of the full or the SWA component."""
+        table = self._full if full else self._swa
+        return {k for k in self._by_worker.get(worker, ()) if worker in table.get(k, {})
+                and (tier is None or tier in table[k][worker])}
 
     def drop_worker(self, worker: str) -> int:
         """Forget everything a (dead) worker held; returns how many keys it touched."""
@@ -96,11 +136,11 @@ class PrefixIndex:
                         del table[key]
         return len(keys)
 
-    def overlap(self, keys: Sequence[bytes], worker: str, window_pages: int) -> Overlap:
+    def overlap(self, keys: Sequence[int], worker: str, window_pages: int) -> Overlap:
         """Usable cached prefix of ``keys`` for ``worker`` (see the module doc)."""
         return self.overlap_all(keys, [worker], window_pages)[worker]
 
-    def overlap_all(self, keys: Sequence[bytes], workers: list[str], window_pages: int) -> dict[str, Overlap]:
+    def overlap_all(self, keys: Sequence[int], workers: list[str], window_pages: int) -> dict[str, Overlap]:
         """``overlap`` for several workers; each key is looked up once per table (a C-level pass), then
         each worker walks the looked-up holders until its first miss."""
         fulls = [self._full.get(k) for k in keys]
@@ -156,7 +196,12 @@ def prompt_keys(tokens: Sequence[int], geom: KVGeometry, cfg: RouterConfig) -> l
     return page_keys(list(tokens[:geom.cacheable_tokens(len(tokens))]), geom.page_size, seed=cfg.seed)
 
 
-def route(index: PrefixIndex, keys: Sequence[bytes], prompt_len: int, loads: Mapping[str, dict],
+def prompt_blocks(tokens: Sequence[int], geom: KVGeometry, cfg: RouterConfig) -> list[int]:
+    """The wire's block ids of the prompt's cacheable pages: what the index is keyed by."""
+    return [int.from_bytes(k[:8], "big") for k in prompt_keys(tokens, geom, cfg)]
+
+
+def route(index: PrefixIndex, keys: Sequence[int], prompt_len: int, loads: Mapping[str, dict],
           cfg: RouterConfig, geom: KVGeometry, turn: int = 0) -> tuple[str, Overlap]:
     """The prefill worker with the lowest cost for this prompt (ties: the first in ``loads`` order).
     ``round_robin``: the ``turn``-th worker of ``loads`` (the caller counts its decisions)."""

@@ -99,7 +99,7 @@ def serve(eng: Engine, gen, max_new: int = 16) -> dict:
     while prompt is not None:
         n = (len(prompt) - 1) // PS
         index.apply("w", eng.cache.tree.take_events())
-        predicted = index.overlap(eng.cache.tree.page_keys(prompt[:n * PS]), "w", wp).pages * PS
+        predicted = index.overlap([int.from_bytes(k[:8], "big") for k in eng.cache.tree.page_keys(prompt[:n * PS])], "w", wp).pages * PS
         t0 = time.perf_counter()
         rid = eng.add_request(prompt, sp)
         while not eng.requests[rid].output_ids:

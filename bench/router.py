@@ -9,7 +9,7 @@ import random
 import statistics
 import time
 
-from actors.routing import PrefixIndex, RouterConfig, prompt_keys, route
+from actors.routing import PrefixIndex, RouterConfig, prompt_blocks, prompt_keys, route
 from bench.common import table, write_json
 from storage.radix.node import KVEvent
 from storage.geometry import KVGeometry
@@ -43,10 +43,10 @@ def main() -> None:
         reqs = [c + [rng.randrange(256) for _ in range(64)] for c in rng.sample(convs, min(len(convs), 500))]
         # The router actor decides on keys the ingress hashed; hashing is timed apart (it runs on the
         # ingress replicas, in parallel).
-        keyed = [prompt_keys(r, geom, cfg) for r in reqs]
+        keyed = [prompt_blocks(r, geom, cfg) for r in reqs]
         t = time.perf_counter()
         for r in reqs:
-            prompt_keys(r, geom, cfg)
+            prompt_blocks(r, geom, cfg)
         hash_us = 1e6 * (time.perf_counter() - t) / len(reqs)
         lat = []
         t0 = time.perf_counter()

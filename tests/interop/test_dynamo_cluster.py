@@ -104,7 +104,7 @@ def dynamo(cluster):
 
 # ---- strata's side ------------------------------------------------------------------------------------
 
-def _router_overlaps(router, keys: list[bytes]) -> dict[str, tuple[dict, int]]:
+def _router_overlaps(router, keys: list[int]) -> dict[str, tuple[dict, int]]:
     """Per prefill worker, from the router actor's own index: (full-page overlap by tier, walked without the
     SWA cut, as Dynamo's full-only index does; the SWA-exact usable pages the router routes by)."""
     def query(self, keys, workers):
@@ -123,7 +123,7 @@ def _as_dynamo(by_tier: dict) -> TierOverlap:
     return TierOverlap(by_tier["L1"], host, host)
 
 
-def _settled(dynamo: DynamoIndex, router, tokens: list[int], keys: list[bytes]):
+def _settled(dynamo: DynamoIndex, router, tokens: list[int], keys: list[int]):
     """Both indexes' views of one prompt (``tokens`` for Dynamo, their page ``keys`` for strata) once they
     have caught up with the workers' events: polled until Dynamo's overlaps and the router's full-page
     overlaps agree and stay unchanged for two more polls 0.1 s apart (past the workers' 50 ms report
@@ -180,7 +180,7 @@ class Row(NamedTuple):
 
 
 def test_dynamo_indexes_the_prefill_workers_as_strata_s_router_does(cluster, dynamo):
-    from actors.routing import prompt_keys
+    from actors.routing import prompt_blocks
 
     url, router = cluster["url"], cluster["router"]
     geom = ray.get(router.geometry.remote(), timeout=30)
@@ -194,7 +194,7 @@ def test_dynamo_indexes_the_prefill_workers_as_strata_s_router_does(cluster, dyn
         # Both sides are asked about the same pages: the prompt's cacheable ones (strata always computes
         # the last token, so a page ending at the prompt's end is never a hit).
         dyn, full, exact = _settled(dynamo, router, ids[:geom.cacheable_tokens(len(ids))],
-                                    prompt_keys(ids, geom, rcfg))
+                                    prompt_blocks(ids, geom, rcfg))
         by_name = {w: DYNAMO_ID[w] for w in PREFILL}
         return ({w: dyn[i] for w, i in by_name.items()}, {w: full[i] for w, i in by_name.items()}, exact)
 

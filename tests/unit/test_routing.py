@@ -1,7 +1,7 @@
 """The pure prefix index and route policy (no Ray)."""
 import pytest
 
-from actors.routing import L3_WORKER, NoWorkerError, PrefixIndex, RouterConfig, pick_decode, prompt_keys, route
+from actors.routing import L3_WORKER, NoWorkerError, PrefixIndex, RouterConfig, pick_decode, prompt_blocks, prompt_keys, route
 from storage.radix.node import KVEvent
 from storage.geometry import KVGeometry
 
@@ -14,6 +14,7 @@ CFG = RouterConfig()
 GEOM = KVGeometry(page_size=4, window=8)   # window_pages = ceil(7 / 4) = 2
 TOKS = list(range(41))          # 10 usable pages (the last token is always computed)
 KEYS = prompt_keys(TOKS, GEOM, CFG)
+BLOCKS = prompt_blocks(TOKS, GEOM, CFG)
 
 
 def test_prompt_keys_leave_the_last_token_out():
@@ -24,40 +25,40 @@ def test_prompt_keys_leave_the_last_token_out():
 def test_overlap_needs_the_swa_window_at_the_cut():
     idx = PrefixIndex()
     idx.apply("p0", [ev("stored", "L1", "full", KEYS[:8]), ev("stored", "L1", "swa", KEYS[5:8])])
-    ov = idx.overlap(KEYS, "p0", 2)
+    ov = idx.overlap(BLOCKS, "p0", 2)
     assert ov.pages == 8 and ov.by_tier["L1"] == 8
     # Without SWA data anywhere the full pages alone are not usable (the window would be missing).
     idx2 = PrefixIndex()
     idx2.apply("p0", [ev("stored", "L1", "full", KEYS[:8])])
-    assert idx2.overlap(KEYS, "p0", 2).pages == 0
-    assert idx2.overlap(KEYS, "p0", 0).pages == 8
+    assert idx2.overlap(BLOCKS, "p0", 2).pages == 0
+    assert idx2.overlap(BLOCKS, "p0", 0).pages == 8
     # A tombstoned page cuts the usable prefix back to the last point with a complete window.
     idx.apply("p0", [ev("removed", "L1", "swa", KEYS[7:8]), ev("stored", "L2", "swa", KEYS[2:4])])
-    assert idx.overlap(KEYS, "p0", 2).pages == 7          # pages 5, 6 still hold SWA
+    assert idx.overlap(BLOCKS, "p0", 2).pages == 7          # pages 5, 6 still hold SWA
     idx.apply("p0", [ev("removed", "L1", "swa", KEYS[6:7])])
-    assert idx.overlap(KEYS, "p0", 2).pages == 4          # pages 2, 3 (from L2) do
+    assert idx.overlap(BLOCKS, "p0", 2).pages == 4          # pages 2, 3 (from L2) do
 
 
 def test_l3_serves_every_worker_and_removal_events_are_honoured():
     idx = PrefixIndex()
     idx.apply(L3_WORKER, [ev("stored", "L3", "full", KEYS[:6]), ev("stored", "L3", "swa", KEYS[4:6])])
     for w in ("p0", "p1"):
-        ov = idx.overlap(KEYS, w, 2)
+        ov = idx.overlap(BLOCKS, w, 2)
         assert ov.pages == 6 and ov.by_tier["L3"] == 6
     idx.apply(L3_WORKER, [ev("removed", "L3", "full", KEYS[3:6])])
-    assert idx.overlap(KEYS, "p0", 2).pages == 0   # the window before page 3 has no SWA data
+    assert idx.overlap(BLOCKS, "p0", 2).pages == 0   # the window before page 3 has no SWA data
 
 
 def test_route_prefers_the_worker_holding_the_prefix_until_load_outweighs_it():
     idx = PrefixIndex()
     idx.apply("p1", [ev("stored", "L1", "full", KEYS), ev("stored", "L1", "swa", KEYS[-2:])])
     loads = {"p0": {"queued_tokens": 0, "running": 0}, "p1": {"queued_tokens": 0, "running": 0}}
-    w, ov = route(idx, KEYS, len(TOKS), loads, CFG, GEOM)
+    w, ov = route(idx, BLOCKS, len(TOKS), loads, CFG, GEOM)
     assert w == "p1" and ov.pages == 10
     busy = {"p0": {"queued_tokens": 0, "running": 0}, "p1": {"queued_tokens": 5000, "running": 3}}
-    assert route(idx, KEYS, len(TOKS), busy, CFG, GEOM)[0] == "p0"
+    assert route(idx, BLOCKS, len(TOKS), busy, CFG, GEOM)[0] == "p0"
     idx.drop_worker("p1")
-    assert len(idx) == 0 and route(idx, KEYS, len(TOKS), loads, CFG, GEOM)[0] == "p0"
+    assert len(idx) == 0 and route(idx, BLOCKS, len(TOKS), loads, CFG, GEOM)[0] == "p0"
 
 
 def test_pick_decode_and_errors():
@@ -66,6 +67,6 @@ def test_pick_decode_and_errors():
     with pytest.raises(NoWorkerError, match="no decode worker"):
         pick_decode({})
     with pytest.raises(NoWorkerError, match="no prefill worker"):
-        route(PrefixIndex(), KEYS, 41, {}, CFG, GEOM)
+        route(PrefixIndex(), BLOCKS, 41, {}, CFG, GEOM)
     with pytest.raises(ValueError, match="l2_weight"):
         RouterConfig(l2_weight=-1)

@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from actors.routing import PrefixIndex, RouterConfig, prompt_keys, route
+from actors.routing import PrefixIndex, RouterConfig, prompt_blocks, prompt_keys, route
 from storage.radix.node import KVEvent
 from storage.geometry import KVGeometry
 
@@ -11,6 +11,7 @@ CFG = RouterConfig()
 GEOM = KVGeometry(page_size=4, window=8)
 TOKS = list(range(41))
 KEYS = prompt_keys(TOKS, GEOM, CFG)
+BLOCKS = prompt_blocks(TOKS, GEOM, CFG)
 IDLE = {w: {"queued_tokens": 0, "running": 0} for w in ("p0", "p1", "p2")}
 
 
@@ -23,17 +24,17 @@ def _index_with_prefix_on(worker: str) -> PrefixIndex:
 def test_round_robin_takes_workers_in_turn_whatever_they_cache():
     rr = dataclasses.replace(CFG, policy="round_robin")
     idx = _index_with_prefix_on("p2")
-    picks = [route(idx, KEYS, len(TOKS), IDLE, rr, GEOM, turn=t)[0] for t in range(7)]
+    picks = [route(idx, BLOCKS, len(TOKS), IDLE, rr, GEOM, turn=t)[0] for t in range(7)]
     assert picks == ["p0", "p1", "p2", "p0", "p1", "p2", "p0"]
     # The overlap it reports is the chosen worker's own (so the hit it will get is known).
-    w, ov = route(idx, KEYS, len(TOKS), IDLE, rr, GEOM, turn=2)
+    w, ov = route(idx, BLOCKS, len(TOKS), IDLE, rr, GEOM, turn=2)
     assert w == "p2" and ov.pages == 10
-    assert route(idx, KEYS, len(TOKS), IDLE, rr, GEOM, turn=0)[1].pages == 0
+    assert route(idx, BLOCKS, len(TOKS), IDLE, rr, GEOM, turn=0)[1].pages == 0
 
 
 def test_prefix_policy_ignores_the_turn():
     idx = _index_with_prefix_on("p1")
-    assert {route(idx, KEYS, len(TOKS), IDLE, CFG, GEOM, turn=t)[0] for t in range(5)} == {"p1"}
+    assert {route(idx, BLOCKS, len(TOKS), IDLE, CFG, GEOM, turn=t)[0] for t in range(5)} == {"p1"}
 
 
 def test_policy_is_validated():
