@@ -2,6 +2,11 @@
 bookkeeping and the prefix index, over the pure policy of actors/routing.py. PrefixRouterActor
 (actors/router.py) is its Ray shell.
 
+Cache state and load travel apart. The index is fed only by the KV-event wire (storage/kv_events/: each
+worker's stream, and the L3 store's under the holder ``L3``), as the shell's subscriber delivers it
+(``apply``); a stream whose history is lost (``Lost``: the publisher's replay buffer no longer holds it)
+forgets that holder and asks it for a snapshot (``take_resync``). Load and liveness come in Ray reports.
+
 A worker is *live* while it reports within ``stale_after`` seconds; silent longer (dead, hung, its node
 gone), what it cached is dropped and it gets no traffic until it reports again (a restart says
 ``fresh``). An operator or ``strata scale`` may *drain* a worker (no new requests; it stays known so
@@ -11,8 +16,16 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from typing import Iterable
+
 from actors.routing import L3_WORKER, NoWorkerError, PrefixIndex, RouterConfig, pick_decode, route
 from storage.geometry import KVGeometry
+from storage.kv_events.subscriber import Delivered, Lost, Update
+from storage.kv_events.wire import CPU, CPU_PINNED, DISK, EXTERNAL, GPU, AllBlocksCleared
+
+WORKER_TIERS = {GPU: "L1", CPU: "L1", CPU_PINNED: "L2"}
+"""A worker's media (storage/kv_events/translate.worker_media): L1 as GPU (or CPU, by config), L2 pinned."""
+L3_TIERS = {DISK: "L3", EXTERNAL: "L3"}
 
 
 class Route(NamedTuple):
@@ -38,24 +51,52 @@ class Router:
         self.dropped: set[str] = set()
         self.stale_after = stale_after
         self.decisions = 0
+        self.resync: set[str] = set()    # holders whose stream lost history: to be asked for a snapshot
+        self.applied = self.lost = 0     # wire events applied, gaps lost
 
-    def report(self, worker: str, role: str, events: list, load: dict, fresh: bool, now: float,
-               flushed: bool = False) -> None:
-        """``flushed``: the worker flushed every tier, and the cluster's flush cleared L3 (or will, before
-        anyone is admitted again), after these events: forget what it held and every L3 page."""
+    def needs_replay(self, worker: str) -> bool:
+        """Whether the worker's stream must be read again from its start before its report counts: a
+        worker dropped for silence had its pages forgotten while its stream went on."""
+        return worker in self.dropped
+
+    def forget(self, holder: str) -> int:
+        """Forget what ``holder`` held (a new incarnation of its stream follows); the pages dropped."""
+        self.resync.discard(holder)
+        return self.index.drop_worker(holder)
+
+    def apply(self, updates: Iterable[Update]) -> None:
+        """The subscriber's updates (storage/kv_events/subscriber.py), in order."""
+        for u in updates:
+            if u.name in self.removed:
+                continue
+            if isinstance(u, Delivered):
+                events = u.batch.events
+                if events and (isinstance(events[0], AllBlocksCleared) or isinstance(events[-1], AllBlocksCleared)):
+                    self.resync.discard(u.name)   # a snapshot (first) or a flush (last): exact again
+                tiers = L3_TIERS if u.name == L3_WORKER else WORKER_TIERS
+                self.applied += self.index.apply_wire(u.name, events, tiers)
+            elif isinstance(u, Lost):
+                self.index.drop_worker(u.name)
+                self.resync.add(u.name)
+                self.lost += 1
+
+    def take_resync(self, holder: str) -> bool:
+        """Whether ``holder`` should publish a snapshot (asked once per loss)."""
+        if holder in self.resync:
+            self.resync.discard(holder)
+            return True
+        return False
+
+    def report(self, worker: str, role: str, load: dict, fresh: bool, now: float) -> bool:
+        """A worker's load and liveness; False when ignored (a removed worker). ``fresh``: a new
+        incarnation, whose cache state its stream tells again from the start."""
         if worker in self.removed:
-            return
+            return False
         if fresh or worker in self.dropped:
             self.index.drop_worker(worker)
             self.dropped.discard(worker)
-        # L3 is shared: a worker's L3 writes tell everyone the store has those pages. Its "removed L3"
-        # events only mean it forgot the node, not that the store dropped the pages, so they are skipped.
-        self.index.apply(worker, [e for e in events if e.tier != "L3"])
-        self.index.apply(L3_WORKER, [e for e in events if e.tier == "L3" and e.kind == "stored"])
-        if flushed:
-            self.index.drop_worker(worker)
-            self.index.drop_worker(L3_WORKER)
         self.loads[worker], self.roles[worker], self.seen[worker] = load, role, now
+        return True
 
     def _sweep(self, now: float) -> None:
         for w in [w for w in self.roles if now - self.seen[w] >= self.stale_after and w not in self.dropped]:
@@ -97,6 +138,7 @@ class Router:
         self.roles.pop(worker, None)
         self.seen.pop(worker, None)
         self.dropped.discard(worker)
+        self.resync.discard(worker)
         return self.index.drop_worker(worker)
 
     def restore_worker(self, worker: str) -> None:
@@ -111,7 +153,8 @@ class Router:
                                 "live": w not in self.dropped, "draining": w in self.draining}
                             for w in self.roles},
                 "indexed_pages": len(self.index), "decisions": self.decisions, "removed": sorted(self.removed),
-                "draining": sorted(self.draining)}
+                "draining": sorted(self.draining), "events_applied": self.applied, "gaps_lost": self.lost,
+                "resync_pending": sorted(self.resync)}
 
 
 def _avoiding(live: dict[str, dict], avoid: list[str] | None) -> dict[str, dict]:

@@ -1,35 +1,105 @@
-"""The Ray shell of the global prefix router (state in actors/prefix_router.py, policy in actors/routing.py)."""
+"""The Ray shell of the global prefix router (state in actors/prefix_router.py, policy in actors/routing.py).
+
+It holds the router's end of the KV-event wire: a ``KVEventSubscriber`` (storage/kv_events/subscriber.py)
+following every worker's stream and the L3 store's. A worker's report names its stream and the last seq it
+published (``StreamPosition``), and, once it wrote to L3, the L3 stream's position after its writes; the
+report returns only when the index holds every batch up to those seqs, so a route asked after a report
+sees everything the worker published before it. A restarted router starts empty: the first report of each
+worker makes it follow that stream from seq 0 (the replay), and a stream whose replay no longer reaches
+back answers ``resync`` (the worker then publishes a snapshot of its tree); the L3 store is asked by name.
+"""
 from __future__ import annotations
 
+import logging
 import time
+from typing import NamedTuple, Optional
 
 import ray
 
 from actors.prefix_router import Route, Router
-from actors.routing import L3_WORKER, RouterConfig
+from actors.routing import L3_WORKER, Overlap, RouterConfig
 from storage.geometry import KVGeometry
+from storage.kv_events.publisher import KVEventsEndpoint, StreamPosition
+from storage.kv_events.subscriber import KVEventSubscriber
+
+log = logging.getLogger("strata.router")
+
+
+class ReportReply(NamedTuple):
+    """The router's answer to a report: ``ignored`` (a removed worker: nothing was recorded), ``resync``
+    (its stream lost history here: publish a snapshot)."""
+
+    ignored: bool = False
+    resync: bool = False
 
 
 @ray.remote(max_restarts=-1, max_task_retries=-1)
 class PrefixRouterActor:
-    """Ray shell over ``Router`` (actors/prefix_router.py): reads the clock, holds the L3 name index."""
+    """Ray shell over ``Router`` (actors/prefix_router.py): reads the clock, owns the wire's subscriber.
+    ``storage``: the L3 storage actor's name, asked for a snapshot when the L3 stream's history is lost."""
 
     def __init__(self, cfg: RouterConfig, geometry: KVGeometry | None = None, stale_after: float = 10.0,
-                 l3_model: str | None = None) -> None:
+                 storage: str | None = None) -> None:
         self.core = Router(cfg, geometry, stale_after)
-        self.l3_names = None          # storage/l3/index.py: L3 object names -> page keys
-        # Where each worker (and the L3 storage actor) publishes its KV events (storage/kv_events/), as they
-        # tell it: for the status, so a consumer of the wire finds them. Not yet read by the index.
-        self.kv_events: dict[str, dict] = {}
-        if l3_model:   # a constructor argument, so a restarted router maps evicted names again
-            self.set_l3_model(l3_model)
+        self.feed = KVEventSubscriber()
+        self.storage = storage
+        self.namespace = ray.get_runtime_context().namespace
 
-    def report(self, worker: str, role: str, events: list, load: dict, fresh: bool, flushed: bool = False) -> None:
-        self.core.report(worker, role, events, load, fresh, time.monotonic(), flushed)
-        if self.l3_names is not None and worker not in self.core.removed:
-            self.l3_names.stored(events)
-            if flushed:
-                self.l3_names.clear()
+    def report(self, worker: str, role: str, load: dict, fresh: bool, stream: Optional[StreamPosition] = None,
+               l3: Optional[StreamPosition] = None) -> ReportReply:
+        """A worker's load and liveness, and where its KV events (and the L3 store's) stand."""
+        replay = fresh or self.core.needs_replay(worker)
+        if not self.core.report(worker, role, load, fresh, time.monotonic()):
+            return ReportReply(ignored=True)
+        updates = []
+        if stream is not None:
+            new = self.feed.follow(worker, stream.endpoint)
+            if new or replay:
+                self.feed.restart(worker)
+                self.core.forget(worker)
+            updates += self.feed.catch_up(worker, stream.seq)
+        if l3 is not None:
+            updates += self._follow_l3(l3.endpoint, l3.seq)
+        self.core.apply(updates)
+        self._ask_l3_snapshot()
+        return ReportReply(resync=self.core.take_resync(worker))
+
+    def _follow_l3(self, endpoint: KVEventsEndpoint, seq: int) -> list:
+        if self.feed.follow(L3_WORKER, endpoint):
+            self.core.forget(L3_WORKER)   # a new L3 publisher: the store restarted (empty) or is new here
+        return self.feed.catch_up(L3_WORKER, seq)
+
+    def _ask_l3_snapshot(self) -> None:
+        if self.storage is None or not self.core.take_resync(L3_WORKER):
+            return
+        try:
+            ray.get_actor(self.storage, namespace=self.namespace).kv_snapshot.remote()
+        except ValueError as e:   # not there (yet): the next loss asks again
+            log.warning("cannot ask the L3 store for a snapshot: %s", e)
+
+    def sync(self) -> None:
+        """Apply whatever the streams delivered so far (operators, tests; reports do it anyway)."""
+        self.core.apply(self.feed.poll())
+        self._ask_l3_snapshot()
+
+    def overlaps(self, keys: list[int], workers: list[str] | None = None, window: bool = True) -> dict[str, Overlap]:
+        """Read-only: per worker (the live prefill and colocated ones by default), the cached prefix of a
+        prompt's block ids that the index holds: SWA-exact (``window``), or full pages alone as a full-only
+        indexer counts them. Decides nothing and counts no load."""
+        if workers is None:
+            workers = [w for w, r in self.core.roles.items() if r in ("prefill", "colocated")]
+        return self.core.index.overlap_all(keys, list(workers), self.core.geom.window_pages if window else 0)
+
+    def indexed_blocks(self, holder: str) -> dict[str, dict[str, list[int]]]:
+        """Read-only: the block ids the index holds for ``holder`` (a worker, or ``L3``), by tier and
+        component: for audits against the holder's own tree (WorkerActor.cached_blocks)."""
+        out: dict[str, dict[str, list[int]]] = {}
+        for tier in ("L1", "L2", "L3"):
+            for comp, full in (("full", True), ("swa", False)):
+                got = self.core.index.blocks(holder, tier, full)
+                if got:
+                    out.setdefault(tier, {})[comp] = sorted(got)
+        return out
 
     def config(self) -> RouterConfig:
         return self.core.cfg
@@ -37,32 +107,9 @@ class PrefixRouterActor:
     def geometry(self) -> KVGeometry:
         return self.core.geom
 
-    # ---- the L3 store's own changes (actors/storage.py) -----------------------------------------------
-    def set_l3_model(self, model_id: str) -> None:
-        """Name the model whose pages the L3 store holds, so evicted object names map to page keys."""
-        from storage.l3.index import L3NameIndex
-        if self.l3_names is None or self.l3_names.model_id != model_id:
-            self.l3_names = L3NameIndex(model_id)
-
-    def l3_evicted(self, names: list[str]) -> int:
-        """The store evicted these objects: stop counting their pages. Returns the pages dropped."""
-        events = self.l3_names.removed(names) if self.l3_names is not None else []
-        self.core.index.apply(L3_WORKER, events)
-        return len(events)
-
-    def l3_entries(self) -> list[tuple[str, str]]:
-        """(store key, object name) of the L3 pages the router counts, for the storage actor's audit."""
-        return self.l3_names.entries() if self.l3_names is not None else []
-
-    def l3_reset(self) -> int:
-        """The store lost everything (its server restarted empty). Returns the pages dropped."""
-        if self.l3_names is not None:
-            self.l3_names.clear()
-        return self.core.index.drop_worker(L3_WORKER)
-
     # ---- routing and the registry ----------------------------------------------------------------------
-    def route(self, keys: list[bytes], prompt_len: int, avoid: list[str] | None = None) -> Route:
-        """``keys``: the prompt's page keys (``prompt_keys``), hashed by the caller so the one router
+    def route(self, keys: list[int], prompt_len: int, avoid: list[str] | None = None) -> Route:
+        """``keys``: the prompt's block ids (``prompt_blocks``), hashed by the caller so the one router
         actor only decides."""
         return self.core.route(keys, prompt_len, time.monotonic(), avoid)
 
@@ -70,15 +117,21 @@ class PrefixRouterActor:
         return self.core.drain(worker)
 
     def remove_worker(self, worker: str) -> int:
+        self.feed.unfollow(worker)
         return self.core.remove_worker(worker)
 
     def restore_worker(self, worker: str) -> None:
         self.core.restore_worker(worker)
 
-    def kv_events_endpoint(self, publisher: str, endpoint) -> None:
-        """``publisher`` (a worker id, or ``L3``) publishes its KV events at ``endpoint`` (a
-        storage.kv_events.KVEventsEndpoint)."""
-        self.kv_events[publisher] = endpoint._asdict()
+    def kv_events_endpoint(self, publisher: str, endpoint: KVEventsEndpoint) -> None:
+        """``publisher`` (the L3 store: ``L3``) publishes its KV events at ``endpoint``: follow it. Workers
+        name theirs in every report."""
+        if publisher == L3_WORKER:
+            self.core.apply(self._follow_l3(endpoint, -1))
 
     def status(self) -> dict:
-        return {**self.core.status(time.monotonic()), "kv_events": dict(self.kv_events)}
+        followed = self.feed.followed()
+        return {**self.core.status(time.monotonic()),
+                "kv_events": {name: ep._asdict() for name, ep in followed.items()},
+                "kv_events_feed": {**self.feed.stats()._asdict(),
+                                   "next_seq": {name: self.feed.next_seq(name) for name in followed}}}

@@ -3,13 +3,13 @@
 It owns what the workers' L3 clients share:
 
 * ``mooncake``: a real ``mooncake_master`` on the configured address (loopback by default), restarted
-  when it dies (it comes back empty: the router is told to forget every L3 page), and a client whose
+  when it dies (it comes back empty: AllBlocksCleared on the L3 stream), and a client whose
   segment (``capacity_bytes``) holds the pages: workers prefer it, so pages outlive their writer;
 * ``file`` / ``nixl`` (POSIX): the directory and its evictor. Workers open the directory with
   ``evict=False`` (a write that would pass the cap fails instead), and the service evicts least recently
-  used pages once more than ``high_water`` of the cap is used, down to ``low_water``, reporting the evicted
-  object names to the router, which maps them back to page keys (storage/l3/index.py) so it never counts
-  a page L3 no longer has.
+  used pages once more than ``high_water`` of the cap is used, down to ``low_water``, publishing the
+  evicted pages (object names mapped back to page keys, storage/l3/index.py) on the L3 stream, so no
+  consumer counts a page L3 no longer has.
 
 ``worker_config()`` is the L3Config a worker opens its store with (the connection info); ``status()``
 reports capacity, use, evictions, the master's state and the workers' hit/miss/corrupt counts.
@@ -17,7 +17,9 @@ reports capacity, use, evictions, the master's state and the workers' hit/miss/c
 With ``kv_events`` enabled the actor is the one publisher of the L3 store on the KV-event wire
 (storage/kv_events/l3_stream.py: medium DISK for the file store, EXTERNAL for Mooncake / NIXL): the L3
 writes workers forward (``l3_stored``), the evictions, and AllBlocksCleared when the store comes back
-empty or the cluster flush clears it (``l3_cleared``).
+empty or the cluster flush clears it (``l3_cleared``); ``kv_snapshot`` republishes what it holds for a
+consumer that lost the history (the router asks). The router learns the stream from this actor at start
+and from the workers' reports.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ from dataclasses import dataclass
 
 import ray
 
-from storage.kv_events import KVEventPublisher, KVEventsConfig, KVEventsEndpoint, TreeEventStream, WireMapping, l3_medium
+from storage.kv_events import (KVEventPublisher, KVEventsConfig, KVEventsEndpoint, StreamPosition, TreeEventStream,
+                               WireMapping, l3_medium)
 from storage.l3 import STAT_KEYS, L3Config
 from storage.radix.node import L3
 
@@ -126,7 +129,7 @@ class StorageService:
         return n > seen
 
     def audit(self, entries: list[tuple[str, str]], batch: int = 512) -> list[str]:
-        """Names among ``entries`` ((store key, object name), the router's view) the store no longer has."""
+        """Names among ``entries`` ((store key, object name), the L3 stream's view) the store no longer has."""
         if self.client is None or not entries:
             return []
         gone = []
@@ -183,7 +186,7 @@ class StorageService:
 @ray.remote(max_restarts=-1, max_task_retries=-1)
 class StorageActor:
     """Ray shell: a thread runs the evictor and the master supervisor every ``evict_interval_s`` and
-    forwards what changed to the router (evicted names; "everything is gone" after a master restart)."""
+    publishes what changed on the L3 stream (evictions; "everything is gone" after a master restart)."""
 
     def __init__(self, l3: L3Config, cfg: StorageConfig | None = None, router: str | None = None,
                  namespace: str | None = None, kv_events: KVEventsConfig | None = None,
@@ -200,8 +203,8 @@ class StorageActor:
         self.workers: dict = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        if self.router is not None and self.service.master is not None:
-            self.router.l3_reset.remote()   # a (re)started master is empty
+        # A (re)started actor publishes on a new stream: the router, told of it, forgets the old one's
+        # pages (a restarted master is empty; the pages a surviving one holds are unknown to this stream).
         if self.router is not None and self.kv_events is not None:
             self.router.kv_events_endpoint.remote("L3", self.kv_events.stream.endpoint)
         threading.Thread(target=self._loop, name="strata-storage", daemon=True).start()
@@ -227,17 +230,39 @@ class StorageActor:
         """Where the L3 store's KV events are published (None when they are not)."""
         return self.kv_events.stream.endpoint if self.kv_events is not None else None
 
-    def l3_stored(self, events: list) -> None:
-        """A worker's tree recorded these L3 writes (its L3 ``stored`` events): publish them."""
-        if self.kv_events is not None:
-            with self._lock:
-                self.kv_events.stored(events, time.time())
+    def l3_stored(self, events: list) -> StreamPosition | None:
+        """A worker's tree recorded these L3 writes (its L3 ``stored`` events): publish them. Returns where
+        the L3 stream then stands (the worker's next report names it, so the router has them after it)."""
+        if self.kv_events is None:
+            return None
+        with self._lock:
+            self.kv_events.stored(events, time.time())
+            return self.kv_events.stream.position()
 
-    def l3_cleared(self) -> None:
-        """The cluster flush cleared the store (actors/flush.py)."""
-        if self.kv_events is not None:
-            with self._lock:
-                self.kv_events.cleared(time.time())
+    def l3_cleared(self) -> StreamPosition | None:
+        """The cluster flush cleared the store (actors/flush.py); where the L3 stream then stands."""
+        if self.kv_events is None:
+            return None
+        with self._lock:
+            self.kv_events.cleared(time.time())
+            return self.kv_events.stream.position()
+
+    def kv_snapshot(self) -> StreamPosition | None:
+        """Publish everything the L3 stream has said the store holds, as a snapshot (a consumer lost its
+        history: the router asks); where the stream then stands."""
+        if self.kv_events is None:
+            return None
+        with self._lock:
+            self.kv_events.snapshot(time.time())
+            return self.kv_events.stream.position()
+
+    def l3_entries(self) -> list[tuple[str, str]]:
+        """(store key, object name) of every L3 page the L3 stream says the store holds (what consumers of
+        the wire count)."""
+        if self.kv_events is None:
+            return []
+        with self._lock:
+            return self.kv_events.names.entries()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.service.cfg.evict_interval_s):
@@ -263,25 +288,22 @@ class StorageActor:
             names = self.service.evict()
             restarted = self.service.supervise()
             audit = (audit or self.service.master_evicted()) and not restarted
-        dropped = 0
-        if self.router is not None and audit:   # Mooncake evicted on its own: check what the router counts
-            entries = ray.get(self.router.l3_entries.remote(), timeout=30)
+        removed = 0
+        if self.kv_events is not None:
             with self._lock:
-                names = names + self.service.audit(entries)
-        if self.kv_events is not None and (names or restarted):
-            with self._lock:
+                if audit:   # Mooncake evicted on its own: check every page the stream says it holds
+                    names = names + self.service.audit(self.kv_events.names.entries())
                 if names:
+                    before = len(self.kv_events.names)
                     self.kv_events.evicted(names, time.time())
+                    removed = before - len(self.kv_events.names)
                 if restarted:
+                    removed += len(self.kv_events.names)
                     self.kv_events.cleared(time.time())
-        if self.router is not None and names:
-            dropped += ray.get(self.router.l3_evicted.remote(names), timeout=30)
-        if self.router is not None and restarted:
-            dropped += ray.get(self.router.l3_reset.remote(), timeout=30)
-        return {"evicted": len(names), "restarted": restarted, "router_pages_dropped": dropped}
+        return {"evicted": len(names), "restarted": restarted, "pages_removed": removed}
 
     def run_once(self, audit: bool = False) -> dict:
-        """One evictor/supervisor pass now (operators, tests); ``audit`` also checks every page the router
+        """One evictor/supervisor pass now (operators, tests); ``audit`` also checks every page the stream
         counts against the store. Returns what it did."""
         return self._pass(audit)
 

@@ -1,10 +1,11 @@
 """Ray shells over one worker's AsyncEngine: prefill, decode, or colocated (both). With ``ep_size`` > 1
 a colocated worker serves through an expert-parallel group whose rank 0 it is (actors/ep_host.py).
 
-Each worker pushes its KV events and load to the router every ``report_interval`` seconds; the first
-report after a (re)start says ``fresh`` so the router forgets what a previous incarnation held. With
-``kv_events`` enabled it also publishes the same batches, L1 and L2 only, on the field's KV-event wire
-(storage/kv_events/: its own ZMQ PUB + replay sockets; ``kv_events_endpoint()`` says where).
+Each worker publishes its tree's KV events, L1 and L2, on the field's KV-event wire (storage/kv_events/:
+its own ZMQ PUB + replay sockets; ``kv_events_endpoint()`` says where), which is what the router's index
+reads, and forwards its L3 writes to the L3 store's publisher. Every ``report_interval`` seconds it reports
+its load to the router with where its stream stands; the first report after a (re)start says ``fresh`` so
+the router forgets what a previous incarnation held and reads the new stream from its start.
 """
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from ray.actor import ActorHandle
 from actors.ep_host import EPHost
 from engine import Engine, EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine, StreamItem
-from storage.kv_events import KVEventPublisher, KVEventsConfig, KVEventsEndpoint, TreeEventStream, WireMapping, worker_media
-from storage.radix import KVEvent
+from storage.kv_events import (KVEventPublisher, KVEventsConfig, KVEventsEndpoint, StreamPosition, TreeEventStream,
+                               WireMapping, worker_media)
 from storage.transfer import Destination, TransferConfig, TransferError, make_backend
 from storage.transfer.base import Receipt, SendStats, TransferStats
 from storage.transfer.sends import SendRecord
@@ -64,6 +65,7 @@ class WorkerActor:
         # L3 is the storage actor's to publish: this worker forwards the L3 writes its tree records.
         self.l3_events_to = storage if storage is not None and kv_events is not None and kv_events.enabled else None
         self._l3_cleared_by: threading.Event | None = None   # the flush (its ack) that cleared L3
+        self._l3_position: StreamPosition | None = None       # where the L3 stream stood after our writes
         self._reporting = router is not None or self.kv_events is not None or self.l3_events_to is not None
         if self._reporting:
             threading.Thread(target=self._report_loop, name="strata-report", daemon=True).start()
@@ -110,56 +112,77 @@ class WorkerActor:
         return TreeEventStream(pub, WireMapping.of(eng.cfg.page_size, eng.geometry.window or 0,
                                                    worker_media(cfg.l1_medium)))
 
+    async def cached_blocks(self) -> dict[str, dict[str, list[int]]]:
+        """The wire's block ids of what this worker's tree holds, by tier (L1, L2: its own) and component:
+        what its KV-event stream has said so far, summed up (audits of a consumer's index against it)."""
+        def blocks(e: Engine) -> dict[str, dict[str, list[int]]]:
+            out: dict[str, dict[str, set[int]]] = {}
+            for ev in e.cache.snapshot_events():
+                if ev.tier in ("L1", "L2"):
+                    out.setdefault(ev.tier, {}).setdefault(ev.component, set()).update(
+                        int.from_bytes(k[:8], "big") for k in ev.page_keys)
+            return {t: {c: sorted(v) for c, v in d.items()} for t, d in out.items()}
+        return await self.core.call(blocks)
+
     async def kv_events_endpoint(self) -> KVEventsEndpoint | None:
         """Where this worker publishes its KV events (topic, PUB and replay addresses), None when it
         does not."""
         return self.kv_events.endpoint if self.kv_events is not None else None
 
-    def _publish(self, events: list, flushed: threading.Event | None) -> None:
-        """The batch just taken, on the wire: published once as taken (the router's resends are the Ray
-        path's), a flush's AllBlocksCleared once per flush. Nothing is admitted between a flush and its
-        ack (flush_hold), so no store made after the flush shares its batch."""
+    def _publish(self, events: list, flushed: threading.Event | None, snapshot: list | None) -> None:
+        """The batch just taken, on the wire: published once as taken, a flush's AllBlocksCleared once per
+        flush, then the ``snapshot`` the router asked for (when it did). Nothing is admitted between a flush
+        and its ack (flush_hold), so no store made after the flush shares its batch."""
         cleared = flushed is not None and flushed is not self._cleared
         try:
             self.kv_events.publish(events, time.time(), cleared)
+            if snapshot is not None:
+                self.kv_events.snapshot(snapshot, time.time())
         except Exception as e:  # noqa: BLE001 - the wire must not stop the reports; its seq shows the gap
             log.warning("publishing KV events failed: %r", e)
             return
         if cleared:
             self._cleared = flushed
 
+    def _forward_l3(self, events: list, flushed: threading.Event | None) -> None:
+        """The L3 writes this tree recorded, to the L3 store's publisher (and a flush's clear of L3, after
+        the writes before it); ``_l3_position`` is then where the L3 stream stands, for the router."""
+        l3 = [e for e in events if e.tier == "L3" and e.kind == "stored"]
+        if l3:
+            self._l3_position = ray.get(self.l3_events_to.l3_stored.remote(l3), timeout=10) or self._l3_position
+        if flushed is not None and flushed is self._l3_cleared_by:
+            self._l3_position = ray.get(self.l3_events_to.l3_cleared.remote(), timeout=10) or self._l3_position
+            self._l3_cleared_by = None
+
     def _report_loop(self) -> None:
-        fresh, pending = True, []
+        """Every ``report_interval``: the tree's new events on the wire, then load and liveness to the
+        router with where this worker's stream (and the L3 store's) stands, so that when the report returns
+        the router has applied them. A report that fails is resent as ``fresh`` (the router may have
+        restarted: it reads the stream again from its start)."""
+        fresh, resync = True, False
         while not self._stop.wait(self.report_interval):
             # Taken before the events: a flush that asked (flush_cache) is over, so its removals are among
             # them, and every report before this one carried only what came before the flush.
             flushed, self._flush_ack = self._flush_ack, None
             try:
-                new = self.core.call_blocking(lambda e: e.cache.take_events())
-                if self.router is not None:   # the router reads page keys only: tokens stay off the Ray path
-                    pending += [KVEvent(e.kind, e.tier, e.component, e.page_keys) if e.tokens is not None else e
-                                for e in new]
+                if resync:   # the pending events, then everything the tree holds, in one engine step
+                    new, snapshot = self.core.call_blocking(
+                        lambda e: (e.cache.take_events(), e.cache.snapshot_events()))
+                else:
+                    new, snapshot = self.core.call_blocking(lambda e: e.cache.take_events()), None
                 if self.kv_events is not None:
-                    self._publish(new, flushed)
+                    self._publish(new, flushed, snapshot)
+                resync = False
                 if self.l3_events_to is not None:
-                    l3 = [e for e in new if e.tier == "L3" and e.kind == "stored"]
-                    if l3:
-                        self.l3_events_to.l3_stored.remote(l3)
-                    if flushed is not None and flushed is self._l3_cleared_by:   # after the writes before it
-                        self.l3_events_to.l3_cleared.remote()
-                        self._l3_cleared_by = None
-                if self.router is None:
-                    if flushed is not None:
-                        flushed.set()
-                    continue
-                if fresh and self.kv_events is not None:   # a restarted router learns it again
-                    self.router.kv_events_endpoint.remote(self.worker_id, self.kv_events.endpoint)
-                ray.get(self.router.report.remote(self.worker_id, self.role, pending, self.core.load(), fresh,
-                                                  flushed is not None), timeout=10)
-                fresh, pending = False, []
+                    self._forward_l3(new, flushed)
+                if self.router is not None:
+                    position = self.kv_events.position() if self.kv_events is not None else None
+                    reply = ray.get(self.router.report.remote(self.worker_id, self.role, self.core.load(), fresh,
+                                                              position, self._l3_position), timeout=10)
+                    fresh, resync = reply.ignored, reply.resync
                 if flushed is not None:
                     flushed.set()
-            except Exception as e:  # the router may be restarting: resend everything as fresh
+            except Exception as e:  # the router may be restarting: resend as fresh
                 log.warning("report to router failed: %r", e)
                 fresh = True
                 self._flush_ack = self._flush_ack or flushed

@@ -116,6 +116,12 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         check_ep(self.workers, self.engine)
+        if self.router.policy == "prefix" and not self.kv_events.enabled and self.engine.enable_prefix_cache:
+            # The router's index reads the workers' KV-event streams (actors/router.py): without them it
+            # would route by load alone while claiming prefix routing.
+            raise ValueError("kv_events.enabled: false leaves router.policy 'prefix' without the workers' cache "
+                             "state (the router reads their KV-event streams); enable kv_events or set "
+                             "router.policy: round_robin")
 
     def check_model(self, num_experts: int) -> None:
         """What needs the checkpoint (launch calls it before creating any actor): an EP group shards

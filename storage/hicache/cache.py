@@ -365,6 +365,10 @@ class HiCache:
         """The tree's KV events since the last call, oldest first (RadixTree.take_events)."""
         return self.tree.take_events()
 
+    def snapshot_events(self) -> list:
+        """Everything the tree holds, as ``stored`` events (RadixTree.snapshot_events)."""
+        return self.tree.snapshot_events()
+
     def check_integrity(self) -> None:
         self.tree.check_integrity()
         self._l2.check_integrity(self._l3.owners)

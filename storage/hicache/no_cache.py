@@ -51,6 +51,10 @@ class NoCache:
         """No tree, so no KV events: the router never learns of a page here."""
         return []
 
+    def snapshot_events(self) -> list:
+        """Nothing is held."""
+        return []
+
     # ---- maintenance -----------------------------------------------------------------------------
     def flush(self) -> dict[str, dict[str, int]]:
         """Nothing dropped in any tier (the same answer an engine without a cache always gave)."""

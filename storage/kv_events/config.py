@@ -10,8 +10,9 @@ from storage.kv_events.wire import CPU, ENCODINGS, GPU, TAGGED
 
 @dataclass(frozen=True)
 class KVEventsConfig:
-    """``host``: the address bound and advertised (in the topic and the endpoints); ``auto`` is this node's
-    IP (the actor shell resolves it). ``port``: the first PUB port tried, ``port_range`` ports from it
+    """``host``: the address bound and advertised (in the topic and the endpoints); ``auto`` (the default)
+    is this node's IP as Ray knows it (the actor shell resolves it: 127.0.0.1 on a local cluster), so the
+    router and other consumers on other nodes reach it. ``port``: the first PUB port tried, ``port_range`` ports from it
     (several publishers share a node: the first free one wins; expose that range); 0 takes any free port
     (the endpoints are still discoverable: ``WorkerActor.kv_events_endpoint()``, the router's status).
     The replay (ROUTER) socket binds ``replay_port_offset`` above the PUB port (1000: where Ray Serve
@@ -24,7 +25,7 @@ class KVEventsConfig:
     ``CPU`` names the device literally (a consumer then counts L1 as host)."""
 
     enabled: bool = True
-    host: str = "127.0.0.1"
+    host: str = "auto"
     port: int = 0
     port_range: int = 64
     replay_port_offset: int = 1000

@@ -38,6 +38,10 @@ class L3EventStream:
         self.names.clear()
         return self.stream.publish([], ts, cleared=True)
 
+    def snapshot(self, ts: float) -> int:
+        """Everything the store is known to hold, as a snapshot (TreeEventStream.snapshot); the seq."""
+        return self.stream.snapshot(self.names.snapshot(), ts)
+
     def close(self) -> None:
         self.stream.close()
 

@@ -40,6 +40,14 @@ class KVEventsEndpoint(NamedTuple):
     replay: str
 
 
+class StreamPosition(NamedTuple):
+    """Where a publisher's stream stands: its ``endpoint`` and the seq of the last batch it published (-1:
+    none yet). A consumer that has applied everything up to ``seq`` has all that was said before."""
+
+    endpoint: KVEventsEndpoint
+    seq: int
+
+
 class PublisherStats(NamedTuple):
     """Counts since the publisher started: batches published (the next seq), events published, batches
     dropped from the replay buffer (too old), replay requests answered."""
@@ -135,6 +143,11 @@ class KVEventPublisher:
             self._events += len(events)
         return seq
 
+    def position(self) -> StreamPosition:
+        """The endpoint and the last seq published."""
+        with self._lock:
+            return StreamPosition(self.endpoint, self._seq - 1)
+
     def stats(self) -> PublisherStats:
         with self._lock:
             return PublisherStats(self._seq, self._events, self._dropped, self._replays)
@@ -199,4 +212,4 @@ class KVEventPublisher:
         self.close()
 
 
-__all__ = ["KVEventPublisher", "KVEventsEndpoint", "PublisherStats"]
+__all__ = ["KVEventPublisher", "KVEventsEndpoint", "PublisherStats", "StreamPosition"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from storage.kv_events.publisher import KVEventPublisher, KVEventsEndpoint, PublisherStats
+from storage.kv_events.publisher import KVEventPublisher, KVEventsEndpoint, PublisherStats, StreamPosition
 from storage.kv_events.translate import WireMapping, to_wire
 from storage.kv_events.wire import AllBlocksCleared
 from storage.radix.node import KVEvent
@@ -33,6 +33,15 @@ class TreeEventStream:
         if cleared:
             wire.append(AllBlocksCleared())
         return self.publisher.publish(wire, ts)
+
+    def snapshot(self, events: Iterable[KVEvent], ts: float) -> int:
+        """Publish a snapshot: ``AllBlocksCleared`` then ``events`` (everything the tree holds, as stored
+        events, parents first) in one batch, so a consumer applying it in order ends exact whatever it
+        held before; its seq."""
+        return self.publisher.publish([AllBlocksCleared(), *to_wire(events, self.mapping)], ts)
+
+    def position(self) -> StreamPosition:
+        return self.publisher.position()
 
     def stats(self) -> PublisherStats:
         return self.publisher.stats()

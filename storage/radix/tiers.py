@@ -33,6 +33,20 @@ class Tiers:
         out, self._events = self._events, []
         return out
 
+    def snapshot(self, nodes) -> list[KVEvent]:
+        """What ``nodes`` (the tree's, parents first) hold, as ``stored`` events: replayed into an empty
+        consumer, they give the state the events so far gave (a consumer that lost them resyncs from it)."""
+        out: list[KVEvent] = []
+        for node in nodes:
+            pk = node.parent.keys
+            parent = pk[-1] if pk else None
+            for c in COMPONENTS:
+                for tier in (L1, L2, L3):
+                    v = getattr(node, SLOT[c, tier])
+                    if v is not None and v is not False:
+                        out.append(KVEvent("stored", tier, c, tuple(node.keys), node.tokens, parent))
+        return out
+
     def set(self, node: Node, c: str, tier: str, value) -> None:
         """The one place data changes: ``node``'s (c, tier) slot becomes ``value`` (page indices or None;
         a flag for L3), unchecked: the tree's walks and the verbs below have checked it."""

@@ -119,6 +119,11 @@ class RadixTree:
         """Drain the KV events accumulated since the last call, oldest first."""
         return self.tiers.take_events()
 
+    def snapshot_events(self) -> list[KVEvent]:
+        """Everything the tree holds now as ``stored`` events, parents first (Tiers.snapshot). Take the
+        pending events first: the snapshot already includes them."""
+        return self.tiers.snapshot(self.iter_nodes())
+
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant of the module doc (or of the bookkeeping) is broken."""
         check_tree(self)

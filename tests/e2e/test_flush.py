@@ -5,7 +5,7 @@ import random
 import httpx
 import ray
 
-from actors.routing import prompt_keys
+from actors.routing import prompt_blocks, prompt_keys
 from engine.model.tokenizer import TextTokenizer
 
 
@@ -26,7 +26,7 @@ def _predicted(cluster, text: str) -> int:
     router = cluster["router"]
     ids = TextTokenizer(cluster["model_path"]).encode(text)
     cfg, geom = ray.get(router.config.remote()), ray.get(router.geometry.remote())
-    return ray.get(router.route.remote(prompt_keys(ids, geom, cfg), len(ids))).cached_pages
+    return ray.get(router.route.remote(prompt_blocks(ids, geom, cfg), len(ids))).cached_pages
 
 
 def _wait_l3(cluster, text: str, timeout: float = 30.0) -> None:
@@ -37,7 +37,8 @@ def _wait_l3(cluster, text: str, timeout: float = 30.0) -> None:
     ids = TextTokenizer(cluster["model_path"]).encode(text)
     cfg, geom = ray.get(router.config.remote()), ray.get(router.geometry.remote())
     last = prompt_keys(ids, geom, cfg)[-1].hex()
-    while not any(k.endswith(f"/full/{last}") for k, _name in ray.get(router.l3_entries.remote())):
+    storage = ray.get_actor("strata-storage")   # what its L3 stream says the store holds
+    while not any(k.endswith(f"/full/{last}") for k, _name in ray.get(storage.l3_entries.remote())):
         assert time.monotonic() < deadline, "the prompt never reached L3"
         time.sleep(0.2)
 

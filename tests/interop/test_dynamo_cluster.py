@@ -23,12 +23,11 @@ L3 is off: it is shared and published by the storage actor as a stream of its ow
 as one more worker, never as a prefill worker's tier; without it every hit comes from the worker's own L1
 and L2, which is what both sides index here.
 
-The router's index is read through Ray's ``__ray_call__`` (as tests/reliability/faults.py does): the router
-actor has no per-worker overlap query, and none is added for this test.
+The router's index is read with its read-only query (``PrefixRouterActor.overlaps``); it is fed by the
+same ZMQ streams Dynamo reads (strata's router consumes the wire too).
 
-Encodings: this cluster publishes the default, tagged maps (``kv_events.encoding`` in the cluster YAML);
-positional arrays are proven against Dynamo at the wire level only (tests/interop/test_dynamo_index.py,
-both encodings): a second cluster would double this test's cost (ENCODINGS below runs both).
+Encodings: the run is made twice, on a cluster publishing tagged maps (the default) and on one publishing
+positional arrays (``kv_events.encoding``); both Dynamo and strata's router decode each.
 
 Nothing talks to anything but 127.0.0.1.
 """
@@ -50,9 +49,7 @@ ray = pytest.importorskip("ray")
 
 PREFILL = ("prefill-0", "prefill-1")
 DYNAMO_ID = {w: i for i, w in enumerate(PREFILL)}     # Dynamo names workers by int
-# One cluster per encoding: the default only (a second cluster would double the test's cost); the
-# positional arrays are proven against Dynamo at the wire level (tests/interop/test_dynamo_index.py).
-ENCODINGS = ("tagged",)
+ENCODINGS = ("tagged", "positional")    # one cluster per encoding
 
 # Pools small enough that a prefill worker's L1 evicts during the run (write-through: the pages stay in L2),
 # large enough for one request's prompt (<= ~430 tokens, 27 pages) on any worker, the decode one included.
@@ -107,12 +104,9 @@ def dynamo(cluster):
 def _router_overlaps(router, keys: list[int]) -> dict[str, tuple[dict, int]]:
     """Per prefill worker, from the router actor's own index: (full-page overlap by tier, walked without the
     SWA cut, as Dynamo's full-only index does; the SWA-exact usable pages the router routes by)."""
-    def query(self, keys, workers):
-        index, window = self.core.index, self.core.geom.window_pages
-        full = index.overlap_all(keys, workers, 0)           # window 0: full pages only
-        exact = index.overlap_all(keys, workers, window)
-        return {w: (dict(full[w].by_tier), exact[w].pages) for w in workers}
-    return ray.get(router.__ray_call__.remote(query, keys, list(PREFILL)), timeout=30)
+    full = ray.get(router.overlaps.remote(keys, list(PREFILL), window=False), timeout=30)
+    exact = ray.get(router.overlaps.remote(keys, list(PREFILL)), timeout=30)
+    return {w: (dict(full[w].by_tier), exact[w].pages) for w in PREFILL}
 
 
 def _as_dynamo(by_tier: dict) -> TierOverlap:

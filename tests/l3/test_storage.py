@@ -79,7 +79,7 @@ def test_file_evictor_keeps_cap_and_router_forgets_evicted_pages(tmp_path):
         assert svc.store.used_bytes() <= 0.75 * cap
     assert len(written) > 40 and svc.evicted > 0
     on_disk = {k for k in written if worker.batch_exists([l3_key(model, "full", k)]) == 1}
-    counted = {k for k in written if index.overlap([k], "w0", 0).by_tier["L3"] == 1}
+    counted = {k for k in written if index.overlap([int.from_bytes(k[:8], "big")], "w0", 0).by_tier["L3"] == 1}
     assert counted == on_disk and 0 < len(on_disk) < len(written)
     st = svc.status()
     assert st["used_bytes"] <= cap and st["evicted_pages"] == svc.evicted and st["backend"] == "file"
@@ -168,7 +168,8 @@ def test_killed_master_means_misses_until_the_service_restarts_it(mooncake_maste
 
 
 def test_storage_actor_shell_with_router(tmp_path):
-    """The Ray shell: the evictor thread reports to the real router actor, which stops counting."""
+    """The Ray shell: the evictor thread publishes its evictions on the L3 stream, which the real router
+    actor follows (told by the storage actor at start, and by a worker's report), so it stops counting."""
     import ray
 
     from cluster.launch import start_local_ray  # also sets the Ray environment
@@ -176,34 +177,45 @@ def test_storage_actor_shell_with_router(tmp_path):
     from actors.router import PrefixRouterActor
     from actors.routing import RouterConfig
     from actors.storage import StorageActor
+    from storage.kv_events import KVEventsConfig
 
     start_local_ray(num_cpus=2, namespace=f"l3-{uuid.uuid4().hex[:6]}")
     try:
-        router = PrefixRouterActor.options(name="router").remote(RouterConfig(), KVGeometry(16))
+        router = PrefixRouterActor.options(name="router").remote(RouterConfig(), KVGeometry(16), storage="storage")
         cap = 30 * PAGE
-        actor = StorageActor.remote(L3Config(backend="file", path=str(tmp_path / "l3"), capacity_bytes=cap),
-                                    StorageConfig(evict_interval_s=0.2, high_water=0.6, low_water=0.3), "router",
-                                    ray.get_runtime_context().namespace)
-        wcfg = ray.get(actor.worker_config.remote(), timeout=120)
         model = "shell-model"
-        ray.get(router.set_l3_model.remote(model))
+        actor = StorageActor.options(name="storage").remote(
+            L3Config(backend="file", path=str(tmp_path / "l3"), capacity_bytes=cap),
+            StorageConfig(evict_interval_s=0.2, high_water=0.6, low_water=0.3), "router",
+            ray.get_runtime_context().namespace, kv_events=KVEventsConfig(), l3_model=model, geometry=(16, 0))
+        wcfg = ray.get(actor.worker_config.remote(), timeout=120)
         store = make_store(wcfg)
         keys = _keys(20, seed=1)
+        blocks = [int.from_bytes(k[:8], "big") for k in keys]
         assert store.batch_set([l3_key(model, "full", k) for k in keys], random_pages(20)) == [True] * 20
-        ray.get(router.report.remote("w0", "colocated", [KVEvent("stored", "L3", "full", tuple(keys))],
-                                     {"queued_tokens": 0, "running": 0}, True))
+        # What a worker does with the L3 writes its tree records: forward them, then report the position.
+        pos = ray.get(actor.l3_stored.remote([KVEvent("stored", "L3", "full", tuple(keys))]), timeout=60)
+        assert pos.seq >= 0
+        reply = ray.get(router.report.remote("w0", "colocated", {"queued_tokens": 0, "running": 0}, True, None, pos))
+        assert not reply.ignored
 
         def l3_pages() -> int:
-            return ray.get(router.route.remote(keys, 16 * 21)).by_tier["L3"]
+            ray.get(router.sync.remote())
+            return ray.get(router.route.remote(blocks, 16 * 21)).by_tier["L3"]
 
+        assert l3_pages() == 20
         # 20 pages > 60% of the cap: the evictor thread trims to 30% and the router follows.
         assert _wait(lambda: l3_pages() < 20, 60.0)
         present = store.batch_exists([l3_key(model, "full", k) for k in keys])
-        assert l3_pages() == present < 20
+        assert _wait(lambda: l3_pages() == present, 10.0) and present < 20
         st = ray.get(actor.status.remote(), timeout=60)
         left = sum(store.batch_exists([l3_key(model, "full", k)]) for k in keys)
+        assert len(ray.get(actor.l3_entries.remote())) == left     # (batch_exists: the leading run only)
         assert st["used_bytes"] <= 0.3 * cap and st["evicted_pages"] == 20 - left
         assert ray.get(actor.run_once.remote(), timeout=60)["evicted"] == 0
+        # A consumer that lost the L3 history asks for a snapshot: it says again what the store holds.
+        snap = ray.get(actor.kv_snapshot.remote(), timeout=60)
+        assert snap.seq > pos.seq and l3_pages() == present
         ray.get(actor.shutdown.remote(), timeout=60)
         store.close()
     finally:

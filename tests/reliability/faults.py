@@ -116,15 +116,14 @@ def kill_router(ctx: Ctx) -> Healed:
             return False
         st = ray.get(router.status.remote(), timeout=5)
         return set(st["workers"]) >= set(ctx.handles["workers"])
-    def after() -> dict:   # a restarted router still maps the storage actor's evictions to page keys
+    def after() -> dict:   # a restarted router follows the L3 store's stream again (the workers name it)
         if _l3_backend(ctx) is None:
             return {}
-        # (``is not None``: an empty name index is falsy, and a router restarted after the store was
-        # reset has an empty one.)
-        model = ray.get(router.__ray_call__.remote(
-            lambda self: self.l3_names.model_id if self.l3_names is not None else None), timeout=30)
-        assert model, "the restarted router lost the L3 model id: it can no longer map evicted L3 pages"
-        return {"router_l3_model": model}
+        deadline = time.monotonic() + 30
+        while "L3" not in (st := ray.get(router.status.remote(), timeout=30))["kv_events"]:
+            assert time.monotonic() < deadline, "the restarted router never followed the L3 stream again"
+            time.sleep(0.2)
+        return {"router_l3_stream_next_seq": st["kv_events_feed"]["next_seq"]["L3"]}
     return Healed("router", check, after=after)
 
 
@@ -190,8 +189,8 @@ def _l3_backend(ctx: Ctx) -> str | None:
 
 
 def _router_l3_keys(ctx: Ctx) -> list[str]:
-    """The store keys of every L3 page the router counts (it learns them from the workers' events)."""
-    return [k for k, _ in ray.get(ctx.handles["router"].l3_entries.remote(), timeout=30)]
+    """The store keys of every L3 page the router counts: what the L3 store's stream says it holds."""
+    return [k for k, _ in ray.get(ray.get_actor("strata-storage").l3_entries.remote(), timeout=30)]
 
 
 def _l3_keys(ctx: Ctx, tokens: list[int]) -> list[str]:
