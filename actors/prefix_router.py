@@ -38,8 +38,16 @@ class Route(NamedTuple):
     by_tier: dict[str, int]
 
 
+RESYNC_WAIT_S = 2.0
+"""How long routing waits for a snapshot it asked of a live publisher (and how often it asks again)."""
+
+
 class Router:
-    def __init__(self, cfg: RouterConfig, geometry: KVGeometry | None = None, stale_after: float = 10.0) -> None:
+    """``ready_at``: no route before this time (a restarted router: the workers' first reports rebuild its
+    index, every report interval, so it waits for them rather than route on an empty index)."""
+
+    def __init__(self, cfg: RouterConfig, geometry: KVGeometry | None = None, stale_after: float = 10.0,
+                 ready_at: float = 0.0) -> None:
         self.cfg = cfg
         self.geom = geometry or KVGeometry()
         self.index = PrefixIndex()
@@ -51,7 +59,10 @@ class Router:
         self.dropped: set[str] = set()
         self.stale_after = stale_after
         self.decisions = 0
-        self.resync: set[str] = set()    # holders whose stream lost history: to be asked for a snapshot
+        self.resync: set[str] = set()    # holders whose stream lost history: not exact until a snapshot
+        self.asked: dict[str, float] = {}   # holder -> when its snapshot was last asked
+        self.asks: dict[str, int] = {}      # holder -> snapshots asked since it was last exact
+        self.ready_at = ready_at
         self.applied = self.lost = 0     # wire events applied, gaps lost
 
     def needs_replay(self, worker: str) -> bool:
@@ -61,8 +72,13 @@ class Router:
 
     def forget(self, holder: str) -> int:
         """Forget what ``holder`` held (a new incarnation of its stream follows); the pages dropped."""
-        self.resync.discard(holder)
+        self._exact(holder)
         return self.index.drop_worker(holder)
+
+    def _exact(self, holder: str) -> None:
+        self.resync.discard(holder)
+        self.asked.pop(holder, None)
+        self.asks.pop(holder, None)
 
     def apply(self, updates: Iterable[Update]) -> None:
         """The subscriber's updates (storage/kv_events/subscriber.py), in order."""
@@ -72,20 +88,30 @@ class Router:
             if isinstance(u, Delivered):
                 events = u.batch.events
                 if events and (isinstance(events[0], AllBlocksCleared) or isinstance(events[-1], AllBlocksCleared)):
-                    self.resync.discard(u.name)   # a snapshot (first) or a flush (last): exact again
+                    self._exact(u.name)   # a snapshot (first) or a flush (last): exact again
                 tiers = L3_TIERS if u.name == L3_WORKER else WORKER_TIERS
                 self.applied += self.index.apply_wire(u.name, events, tiers)
             elif isinstance(u, Lost):
                 self.index.drop_worker(u.name)
                 self.resync.add(u.name)
+                self.asked.pop(u.name, None)
                 self.lost += 1
 
-    def take_resync(self, holder: str) -> bool:
-        """Whether ``holder`` should publish a snapshot (asked once per loss)."""
-        if holder in self.resync:
-            self.resync.discard(holder)
-            return True
-        return False
+    def take_resync(self, holder: str, now: float) -> bool:
+        """Whether ``holder`` should publish a snapshot now: its stream lost history, and it was not asked
+        in the last RESYNC_WAIT_S (a snapshot lost in turn is asked again)."""
+        if holder not in self.resync or now - self.asked.get(holder, -RESYNC_WAIT_S) < RESYNC_WAIT_S:
+            return False
+        self.asked[holder] = now
+        self.asks[holder] = self.asks.get(holder, 0) + 1
+        return True
+
+    def rebuilding(self, now: float) -> list[str]:
+        """The workers routing waits for: live, and asked for their first snapshot since they lost history
+        less than RESYNC_WAIT_S ago (a snapshot that does not come is not waited for again; the shared L3
+        is never waited for: its loss only makes predictions lower)."""
+        return sorted(h for h, t in self.asked.items() if h in self.resync and now - t < RESYNC_WAIT_S
+                      and self.asks.get(h) == 1 and h in self.roles and h not in self.dropped)
 
     def report(self, worker: str, role: str, load: dict, fresh: bool, now: float) -> bool:
         """A worker's load and liveness; False when ignored (a removed worker). ``fresh``: a new
@@ -110,9 +136,16 @@ class Router:
         return {w: self.loads[w] for w, r in self.roles.items()
                 if r in roles and w not in self.dropped and w not in self.removed and w not in self.draining}
 
-    def route(self, keys: list[bytes], prompt_len: int, now: float, avoid: list[str] | None = None) -> Route:
-        """The prefill worker (and, for a prefill worker, the decode worker) of a prompt given its page
-        ``keys``. ``avoid``: workers that just failed this request (used only when no other is left)."""
+    def route(self, keys: list[int], prompt_len: int, now: float, avoid: list[str] | None = None) -> Route:
+        """The prefill worker (and, for a prefill worker, the decode worker) of a prompt given its block
+        ids ``keys``. ``avoid``: workers that just failed this request (used only when no other is left).
+        While the index is being rebuilt (a restart's warm-up, a first snapshot asked) it raises
+        NoWorkerError, which callers retry."""
+        if now < self.ready_at:
+            raise NoWorkerError("the router restarted: its index is rebuilt from the workers' first reports")
+        waiting = self.rebuilding(now)
+        if waiting:
+            raise NoWorkerError(f"the router is rebuilding its index of {', '.join(waiting)} from a snapshot")
         prefill = _avoiding(self.live(("prefill", "colocated"), now), avoid)
         worker, ov = route(self.index, keys, prompt_len, prefill, self.cfg, self.geom, turn=self.decisions)
         decode = None
@@ -138,7 +171,7 @@ class Router:
         self.roles.pop(worker, None)
         self.seen.pop(worker, None)
         self.dropped.discard(worker)
-        self.resync.discard(worker)
+        self._exact(worker)
         return self.index.drop_worker(worker)
 
     def restore_worker(self, worker: str) -> None:

@@ -24,6 +24,14 @@ from storage.kv_events.subscriber import KVEventSubscriber
 
 log = logging.getLogger("strata.router")
 
+REPLAY_LIMIT = 512
+"""A stream followed anew (a restarted router, a worker back) is replayed from seq 0 only when it has
+published fewer batches than this; a longer one is rebuilt from a snapshot (one batch) instead."""
+
+RESTART_WARMUP_S = 0.25
+"""A restarted router routes nothing for this long: every worker reports (every 50 ms by default) and its
+stream is replayed, or its snapshot asked, meanwhile."""
+
 
 class ReportReply(NamedTuple):
     """The router's answer to a report: ``ignored`` (a removed worker: nothing was recorded), ``resync``
@@ -40,10 +48,13 @@ class PrefixRouterActor:
 
     def __init__(self, cfg: RouterConfig, geometry: KVGeometry | None = None, stale_after: float = 10.0,
                  storage: str | None = None) -> None:
-        self.core = Router(cfg, geometry, stale_after)
+        ctx = ray.get_runtime_context()
+        # A restart: routes wait (the caller retries) until the workers' first reports rebuilt the index.
+        warmup = RESTART_WARMUP_S if ctx.was_current_actor_reconstructed else 0.0
+        self.core = Router(cfg, geometry, stale_after, ready_at=time.monotonic() + warmup)
         self.feed = KVEventSubscriber()
         self.storage = storage
-        self.namespace = ray.get_runtime_context().namespace
+        self.namespace = ctx.namespace
 
     def report(self, worker: str, role: str, load: dict, fresh: bool, stream: Optional[StreamPosition] = None,
                l3: Optional[StreamPosition] = None) -> ReportReply:
@@ -57,20 +68,23 @@ class PrefixRouterActor:
             if new or replay:
                 self.feed.restart(worker)
                 self.core.forget(worker)
+                if stream.seq >= REPLAY_LIMIT:   # a long history: its snapshot is cheaper than its replay
+                    updates += self.feed.skip(worker, stream.seq + 1)
             updates += self.feed.catch_up(worker, stream.seq)
         if l3 is not None:
             updates += self._follow_l3(l3.endpoint, l3.seq)
         self.core.apply(updates)
-        self._ask_l3_snapshot()
-        return ReportReply(resync=self.core.take_resync(worker))
+        now = time.monotonic()
+        self._ask_l3_snapshot(now)
+        return ReportReply(resync=self.core.take_resync(worker, now))
 
     def _follow_l3(self, endpoint: KVEventsEndpoint, seq: int) -> list:
         if self.feed.follow(L3_WORKER, endpoint):
             self.core.forget(L3_WORKER)   # a new L3 publisher: the store restarted (empty) or is new here
         return self.feed.catch_up(L3_WORKER, seq)
 
-    def _ask_l3_snapshot(self) -> None:
-        if self.storage is None or not self.core.take_resync(L3_WORKER):
+    def _ask_l3_snapshot(self, now: float) -> None:
+        if self.storage is None or not self.core.take_resync(L3_WORKER, now):
             return
         try:
             ray.get_actor(self.storage, namespace=self.namespace).kv_snapshot.remote()
@@ -80,7 +94,7 @@ class PrefixRouterActor:
     def sync(self) -> None:
         """Apply whatever the streams delivered so far (operators, tests; reports do it anyway)."""
         self.core.apply(self.feed.poll())
-        self._ask_l3_snapshot()
+        self._ask_l3_snapshot(time.monotonic())
 
     def overlaps(self, keys: list[int], workers: list[str] | None = None, window: bool = True) -> dict[str, Overlap]:
         """Read-only: per worker (the live prefill and colocated ones by default), the cached prefix of a
@@ -110,8 +124,12 @@ class PrefixRouterActor:
     # ---- routing and the registry ----------------------------------------------------------------------
     def route(self, keys: list[int], prompt_len: int, avoid: list[str] | None = None) -> Route:
         """``keys``: the prompt's block ids (``prompt_blocks``), hashed by the caller so the one router
-        actor only decides."""
-        return self.core.route(keys, prompt_len, time.monotonic(), avoid)
+        actor only decides. While a snapshot it asked is due, it reads the streams first (the snapshot
+        may be waiting on the socket) and raises NoWorkerError if still rebuilding (callers retry)."""
+        now = time.monotonic()
+        if self.core.rebuilding(now):
+            self.core.apply(self.feed.poll())
+        return self.core.route(keys, prompt_len, now, avoid)
 
     def drain(self, worker: str) -> bool:
         return self.core.drain(worker)

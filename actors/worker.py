@@ -174,7 +174,10 @@ class WorkerActor:
                     self._publish(new, flushed, snapshot)
                 resync = False
                 if self.l3_events_to is not None:
-                    self._forward_l3(new, flushed)
+                    try:
+                        self._forward_l3(new, flushed)
+                    except Exception as e:  # noqa: BLE001 - the L3 store restarting must not stop the reports
+                        log.warning("forwarding L3 events failed: %r", e)
                 if self.router is not None:
                     position = self.kv_events.position() if self.kv_events is not None else None
                     reply = ray.get(self.router.report.remote(self.worker_id, self.role, self.core.load(), fresh,

@@ -63,6 +63,7 @@ class _Followed:
     topic: bytes
     dealer: zmq.Socket
     next: int = 0
+    quiet_until: float = 0.0   # its replay did not answer: not asked again before this (monotonic)
 
 
 class SubscriberStats(NamedTuple):
@@ -78,11 +79,12 @@ class SubscriberStats(NamedTuple):
 
 class KVEventSubscriber:
     """``replay_timeout``: seconds a replay may take before its publisher is taken as gone (its gap is then
-    ``Lost``). ``wait_s``: in ``catch_up``, how long to wait on the SUB socket for a batch already
-    published before replaying it (a batch sent just before the report usually arrives within it)."""
+    ``Lost``, and it is not asked again for ``backoff_s``: one unreachable publisher must not hold up every
+    call). ``wait_s``: in ``catch_up``, how long to wait on the SUB socket for a batch already published
+    before replaying it (a batch sent just before the report usually arrives within it)."""
 
-    def __init__(self, replay_timeout: float = 2.0, wait_s: float = 0.02) -> None:
-        self.replay_timeout, self.wait_s = replay_timeout, wait_s
+    def __init__(self, replay_timeout: float = 0.5, wait_s: float = 0.02, backoff_s: float = 5.0) -> None:
+        self.replay_timeout, self.wait_s, self.backoff_s = replay_timeout, wait_s, backoff_s
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
@@ -120,6 +122,14 @@ class KVEventSubscriber:
         f = self._by_name.get(name)
         if f is not None:
             f.next = 0
+
+    def skip(self, name: str, upto: int) -> list[Update]:
+        """Give up ``name``'s batches before ``upto`` (a consumer that would rather ask for a snapshot than
+        replay a long history): a ``Lost`` for them, when there are any."""
+        f = self._by_name.get(name)
+        if f is None or upto <= f.next:
+            return []
+        return [self._lose(f, upto)]
 
     def unfollow(self, name: str) -> None:
         f = self._by_name.pop(name, None)
@@ -169,7 +179,8 @@ class KVEventSubscriber:
                 self._duplicates += 1
                 continue
             if seq > f.next:
-                out += self._replay(f)
+                if time.monotonic() >= f.quiet_until:
+                    out += self._replay(f)
                 if seq < f.next:
                     continue
                 if seq > f.next:   # the replay did not reach it (its buffer is smaller than one batch?)
@@ -188,7 +199,7 @@ class KVEventSubscriber:
             if left <= 0:
                 break
             out += self.poll(left)
-        if self._by_name.get(name) is f and f.next <= seq:
+        if self._by_name.get(name) is f and f.next <= seq and time.monotonic() >= f.quiet_until:
             out += self._replay(f)
             if f.next <= seq:   # the publisher says it published ``seq``, its replay does not have it
                 out.append(self._lose(f, seq + 1))
@@ -224,6 +235,7 @@ class KVEventSubscriber:
                 log.warning("kv_events: %s's replay (%s) did not answer in %.1f s", f.name, f.endpoint.replay,
                             self.replay_timeout)
                 self._renew_dealer(f)   # a late answer must not be read as the next one's
+                f.quiet_until = time.monotonic() + self.backoff_s
                 return out
             frames = f.dealer.recv_multipart()
             if len(frames) != 3 or frames[0] != b"":
@@ -233,6 +245,7 @@ class KVEventSubscriber:
             except ValueError:
                 continue
             if seq < 0:
+                f.quiet_until = 0.0
                 return out
             if seq < f.next:
                 continue

@@ -93,7 +93,7 @@ def test_many_publishers_on_one_subscriber_and_a_new_incarnation():
 
 def test_a_publisher_that_does_not_answer_is_a_loss_not_a_hang():
     p = pub()
-    sub = KVEventSubscriber(replay_timeout=0.3)
+    sub = KVEventSubscriber(replay_timeout=0.3, backoff_s=60)
     try:
         sub.follow("w0", p.endpoint)
         ep = p.endpoint
@@ -101,6 +101,9 @@ def test_a_publisher_that_does_not_answer_is_a_loss_not_a_hang():
         t = time.monotonic()
         ups = sub.catch_up("w0", 4)   # it said it published 0..4, and is gone
         assert time.monotonic() - t < 3 and ups == [Lost("w0", 0, 5)] and sub.followed() == {"w0": ep}
+        # Not asked again while it stays quiet: later calls do not wait on it.
+        t = time.monotonic()
+        assert sub.catch_up("w0", 9) == [] and time.monotonic() - t < 0.2
     finally:
         sub.close()
 
@@ -160,11 +163,13 @@ def test_the_router_rebuilds_a_tree_exactly_from_a_snapshot_after_losing_its_his
         router.report("w0", "prefill", {}, True, now=0.0)
         sub.follow("w0", stream.endpoint)
         router.apply(sub.catch_up("w0", stream.position().seq))
-        assert router.lost == 1 and router.take_resync("w0") and not router.take_resync("w0")
+        assert router.lost == 1 and router.take_resync("w0", 1.0) and not router.take_resync("w0", 1.5)
+        assert router.rebuilding(1.5) == ["w0"] and router.take_resync("w0", 3.5)   # asked again
+        assert router.rebuilding(3.6) == []     # ... but routing waits for the first snapshot only
         # ... and the worker's snapshot (what its report loop publishes when told to resync) repairs it.
         stream.snapshot(eng.cache.snapshot_events(), 0.0)
         router.apply(sub.catch_up("w0", stream.position().seq))
-        assert _index_blocks(router, "w0") == want
+        assert _index_blocks(router, "w0") == want and router.rebuilding(3.6) == []
         # From there on the stream keeps it exact, through evictions, tombstones and L2 loads.
         _serve(eng, stream, rng, 6)
         router.apply(sub.catch_up("w0", stream.position().seq))
@@ -195,3 +200,35 @@ def test_the_router_reads_l3_only_from_the_l3_holder_and_skips_other_groups():
     assert router.index.overlap([1, 2, 3], "w0", 0).by_tier == {"L1": 0, "L2": 0, "L3": 2}
     router.apply([D("w0", 2, EventBatch(0.0, [BlockStored([1], None, [], 16, medium="TAPE")]))])
     assert router.index.overlap([1], "w0", 0).by_tier["L1"] == 0     # a medium it does not know: skipped
+
+
+def test_routing_waits_for_a_restart_warmup_and_for_a_first_snapshot():
+    import pytest
+
+    from actors.routing import NoWorkerError
+    from storage.kv_events.wire import EventBatch
+    r = Router(RouterConfig(), KVGeometry(16), ready_at=1.0)
+    r.report("p0", "prefill", {}, True, now=0.5)
+    r.report("d0", "decode", {"free_pages": 1}, True, now=0.5)
+    with pytest.raises(NoWorkerError, match="restarted"):   # retried by the ingress
+        r.route([], 32, now=0.9)
+    r.apply([Lost("p0", 0, 3)])
+    assert r.take_resync("p0", 1.0)
+    with pytest.raises(NoWorkerError, match="rebuilding its index of p0"):
+        r.route([], 32, now=1.1)
+    r.apply([Delivered("p0", 3, EventBatch(0.0, [AllBlocksCleared()]))])
+    assert r.route([], 32, now=1.2).prefill == "p0" and r.status(1.2)["resync_pending"] == []
+
+
+def test_skip_gives_up_a_long_history_for_a_snapshot():
+    with pub() as p:
+        for i in range(6):
+            p.publish(stored(i), 0.0)
+        sub = KVEventSubscriber()
+        try:
+            sub.follow("w0", p.endpoint)
+            assert sub.skip("w0", 6) == [Lost("w0", 0, 6)] and sub.skip("w0", 3) == []
+            p.publish(stored(6), 0.0)
+            assert delivered(sub.catch_up("w0", 6)) == [6]
+        finally:
+            sub.close()
