@@ -229,8 +229,8 @@ def prompt_keys(tokens: Sequence[int], geom: KVGeometry, cfg: RouterConfig) -> l
 def prompt_blocks(tokens: Sequence[int], geom: KVGeometry, cfg: RouterConfig) -> list[int]:
     """The wire's block ids of the prompt's cacheable pages: what the index is keyed by (the first 8
     bytes of each ``prompt_keys`` key, big-endian; computed without the keys, storage/hashing.page_ids)."""
-    n = geom.cacheable_tokens(len(tokens))
-    return page_ids(tokens[:n] if type(tokens) is list else list(tokens[:n]), geom.page_size, seed=cfg.seed)
+    return page_ids(tokens, geom.page_size, seed=cfg.seed,
+                    num_pages=geom.cacheable_tokens(len(tokens)) // geom.page_size)
 
 
 def route(index: PrefixIndex, keys: Sequence[int], prompt_len: int, loads: Mapping[str, dict],

@@ -173,10 +173,11 @@ def block_id(key: bytes) -> int:
 
 
 def page_ids(tokens: Tokens, page_size: int, *, seed: Seed = DEFAULT_SEED, salt: Seed | None = None,
-             parent: bytes | None = None) -> list[int]:
+             parent: bytes | None = None, num_pages: int | None = None) -> list[int]:
     """``[block_id(k) for k in page_keys(tokens, page_size, ...)]`` (same arguments, same errors),
     computed without the keys' bytes objects: the compiled chain (storage/_hashing.c) for a list of ints,
-    else hashlib with the ids unpacked in one call."""
+    else hashlib with the ids unpacked in one call. ``num_pages``: only the first ones (at most
+    ``len(tokens) // page_size``; the ids of ``tokens[:num_pages * page_size]``, without the slice)."""
     _check_page_size(page_size)
     if parent is not None:
         if salt is not None:
@@ -184,6 +185,15 @@ def page_ids(tokens: Tokens, page_size: int, *, seed: Seed = DEFAULT_SEED, salt:
         start = _check_key(parent)
     else:
         start = root_key(seed, salt)
+    if num_pages is not None:
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
+            raise ValueError(f"num_pages must be an int >= 0, got {num_pages!r}")
+        if num_pages * page_size < len(tokens):
+            if _c_chain_ids is not None and type(tokens) is list and num_pages <= len(tokens) // page_size:
+                ids = _c_chain_ids(start, tokens, page_size, num_pages, _PAGE_PERSON)
+                if ids is not None:
+                    return ids
+            tokens = list(tokens)[:num_pages * page_size]
     if _c_chain_ids is not None and type(tokens) is list:
         ids = _c_chain_ids(start, tokens, page_size, len(tokens) // page_size, _PAGE_PERSON)
         if ids is not None:

@@ -171,3 +171,17 @@ def test_page_ids_are_the_keys_first_8_bytes_big_endian(compiled, monkeypatch):
             hashing.page_ids(bad, 2)
     with pytest.raises(ValueError):
         hashing.page_ids([1, 2], 0)
+
+
+def test_page_ids_num_pages_is_the_prefix():
+    from storage import hashing
+    toks = list(range(1000, 1000 + 7 * 4 + 3))
+    for n in range(0, 8):
+        assert hashing.page_ids(toks, 4, num_pages=n) == hashing.page_ids(toks[:4 * n], 4)
+        assert hashing.page_ids(tuple(toks), 4, num_pages=n) == hashing.page_ids(toks[:4 * n], 4)
+    assert hashing.page_ids(toks, 4, num_pages=99) == hashing.page_ids(toks, 4)
+    with pytest.raises(ValueError):
+        hashing.page_ids(toks[:3] + [-1] + toks, 4, num_pages=1)    # a bad id in the pages hashed
+    for bad in (-1, 1.0, True):
+        with pytest.raises(ValueError):
+            hashing.page_ids(toks, 4, num_pages=bad)
