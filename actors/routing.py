@@ -143,15 +143,24 @@ class PrefixIndex:
         return self.overlap_all(keys, [worker], window_pages)[worker]
 
     def overlap_all(self, keys: Sequence[int], workers: list[str], window_pages: int) -> dict[str, Overlap]:
-        """``overlap`` for several workers. Each key is looked up once per table (a C-level pass) up to the
-        first page nobody holds (no worker's prefix goes past it), then each worker walks the looked-up
-        holders (``_walk``)."""
+        """``overlap`` for several workers. Each key is looked up once in the full table up to the first
+        page nobody holds (no worker's prefix goes past it), then each worker walks the looked-up holders
+        (``_walk``; compiled in actors/_routing.c where it built, the same answers)."""
+        swa = self._swa if window_pages else None
+        if _c_overlap is not None and type(keys) is list and type(workers) is list:
+            got = _c_overlap(self._full, swa, keys, workers, window_pages)
+            if got is not None:   # None: something only the Python walk judges (it raises where it must)
+                return {w: Overlap(p, {"L1": a, "L2": b, "L3": c}) for w, (p, a, b, c) in zip(workers, got)}
         fulls = list(map(self._full.get, keys))
         if None in fulls:
             del fulls[fulls.index(None):]
-        swa = self._swa if window_pages else None
         return {w: _walk(fulls, keys, swa, w, window_pages) for w in workers}
 
+
+try:
+    from actors._routing import overlap as _c_overlap   # the same walk compiled (actors/_routing.c)
+except ImportError:   # built without a C compiler: the Python walk below, slower on a large index
+    _c_overlap = None
 
 _L3_ONLY = frozenset((L3_WORKER,))   # a page the worker lacks but the shared L3 has: served from L3
 

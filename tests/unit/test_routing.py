@@ -98,8 +98,15 @@ def _ref_overlap(idx: PrefixIndex, keys, worker, window_pages):
     return best, at_best
 
 
-def test_overlap_matches_the_page_by_page_rule_on_random_indexes():
+@pytest.mark.parametrize("compiled", [True, False])
+def test_overlap_matches_the_page_by_page_rule_on_random_indexes(compiled, monkeypatch):
     import random
+
+    from actors import routing
+    if not compiled:
+        monkeypatch.setattr(routing, "_c_overlap", None)
+    elif routing._c_overlap is None:
+        pytest.skip("actors/_routing.c did not build here")
     rng = random.Random(7)
     workers = ["p0", "p1", "p2"]
     for trial in range(300):
