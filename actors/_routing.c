@@ -50,11 +50,11 @@ static int l3_has(PyObject *holders) {
     return PySet_Contains(t, S_L3);
 }
 
-/* Whether ``worker`` can read a page's SWA data: it holds it in some tier, or L3 does. */
-static int swa_has(PyObject *swa, PyObject *key, PyObject *worker) {
-    PyObject *h = PyDict_GetItemWithError(swa, key);
+/* Whether ``worker`` can read a page's SWA data (``h``: the page's SWA holders, NULL if none): it holds
+ * it in some tier, or L3 does. -1 on error, -2 not judgeable here. */
+static int swa_has(PyObject *h, PyObject *worker) {
     if (h == NULL)
-        return PyErr_Occurred() ? -1 : 0;
+        return 0;
     if (!PyDict_Check(h))
         return -2;
     PyObject *t = PyDict_GetItemWithError(h, worker);
@@ -70,6 +70,20 @@ static int swa_has(PyObject *swa, PyObject *key, PyObject *worker) {
     return l3_has(h);
 }
 
+#define UNREAD (Py_None + 1)   /* an address no holder has: "not looked up yet" */
+
+/* The SWA holders of page ``i`` (NULL: none), looked up once per call and kept in ``sh``. */
+static int swa_get(PyObject *swa, PyObject *keys, PyObject **sh, Py_ssize_t i, PyObject **out) {
+    if (sh[i] == UNREAD) {
+        PyObject *h = PyDict_GetItemWithError(swa, PyList_GET_ITEM(keys, i));
+        if (h == NULL && PyErr_Occurred())
+            return -1;
+        sh[i] = h;
+    }
+    *out = sh[i];
+    return 0;
+}
+
 static PyObject *overlap(PyObject *self, PyObject *args) {
     PyObject *full, *swa, *keys, *workers;
     Py_ssize_t window;
@@ -83,8 +97,9 @@ static PyObject *overlap(PyObject *self, PyObject *args) {
     Py_ssize_t n_keys = PyList_GET_SIZE(keys), n_workers = PyList_GET_SIZE(workers);
     PyObject **fulls = PyMem_Malloc(sizeof(PyObject *) * (size_t)(n_keys ? n_keys : 1));
     signed char *rank = PyMem_Malloc((size_t)(n_keys ? n_keys : 1));
+    PyObject **sh = PyMem_Malloc(sizeof(PyObject *) * (size_t)(n_keys ? n_keys : 1));
     PyObject *out = NULL;
-    if (fulls == NULL || rank == NULL) {
+    if (fulls == NULL || rank == NULL || sh == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -98,10 +113,10 @@ static PyObject *overlap(PyObject *self, PyObject *args) {
                 goto done;
             break;
         }
-        if (!PyDict_Check(h))
-            goto python;
-        fulls[n] = h;
+        fulls[n] = h;   /* checked to be a dict where it is read: this loop only looks up */
     }
+    for (Py_ssize_t i = 0; i < n; i++)
+        sh[i] = UNREAD;
     out = PyList_New(n_workers);
     if (out == NULL)
         goto done;
@@ -110,11 +125,16 @@ static PyObject *overlap(PyObject *self, PyObject *args) {
         Py_ssize_t m = 0;
         int prefetched = 0;
         for (; m < n; m++) {
+            if (!PyDict_Check(fulls[m]))
+                goto python;
             if (m == 1 && !prefetched) {
                 /* the worker holds the first page: it will read the holders of the next ones */
                 for (Py_ssize_t i = 1; i < n; i++)
-                    __builtin_prefetch(((PyDictObject *)fulls[i])->ma_keys);
+                    if (PyDict_Check(fulls[i]))
+                        __builtin_prefetch(((PyDictObject *)fulls[i])->ma_keys);
                 for (Py_ssize_t i = 1; i < n; i++) {   /* then each page's tier set, both of its lines */
+                    if (!PyDict_Check(fulls[i]))
+                        continue;
                     PyObject *t = PyDict_GetItemWithError(fulls[i], worker);
                     if (t != NULL) {
                         __builtin_prefetch(t);
@@ -147,25 +167,39 @@ static PyObject *overlap(PyObject *self, PyObject *args) {
         }
         Py_ssize_t best = m;
         if (swa != Py_None && window > 0) {
+            /* the scan below reads the last window or so: look those pages up together first (the
+             * lookups overlap), then the scan reads what it needs */
+            for (Py_ssize_t i = m - 1; i >= 0 && i >= m - 2 * window - 2; i--) {
+                PyObject *h;
+                if (swa_get(swa, keys, sh, i, &h) < 0)
+                    goto fail;
+                if (h != NULL && PyDict_Check(h))
+                    __builtin_prefetch(((PyDictObject *)h)->ma_keys);
+            }
             best = 0;
             Py_ssize_t i = m - 1;
             while (i >= 0) {
-                int h = 0;
-                while (i >= 0 && (h = swa_has(swa, PyList_GET_ITEM(keys, i), worker)) == 0)
+                int has = 0;
+                PyObject *h;
+                while (i >= 0) {
+                    if (swa_get(swa, keys, sh, i, &h) < 0 || (has = swa_has(h, worker)) == -1)
+                        goto fail;
+                    if (has != 0)
+                        break;
                     i--;
-                if (i >= 0 && h < 0) {
-                    if (h == -2)
-                        goto python;
-                    goto fail;
                 }
+                if (i >= 0 && has == -2)
+                    goto python;
                 Py_ssize_t end = i;
-                while (i >= 0 && (h = swa_has(swa, PyList_GET_ITEM(keys, i), worker)) == 1)
+                while (i >= 0) {
+                    if (swa_get(swa, keys, sh, i, &h) < 0 || (has = swa_has(h, worker)) == -1)
+                        goto fail;
+                    if (has != 1)
+                        break;
                     i--;
-                if (i >= 0 && h < 0) {
-                    if (h == -2)
-                        goto python;
-                    goto fail;
                 }
+                if (i >= 0 && has == -2)
+                    goto python;
                 if (end >= 0 && (i < 0 || end - i >= window)) {
                     best = end + 1;
                     break;
@@ -196,6 +230,7 @@ fail:
 done:
     PyMem_Free(fulls);
     PyMem_Free(rank);
+    PyMem_Free(sh);
     return out;
 }
 

@@ -146,15 +146,27 @@ class PrefixIndex:
         """``overlap`` for several workers. Each key is looked up once in the full table up to the first
         page nobody holds (no worker's prefix goes past it), then each worker walks the looked-up holders
         (``_walk``; compiled in actors/_routing.c where it built, the same answers)."""
+        return {w: Overlap(p, {"L1": a, "L2": b, "L3": c})
+                for w, (p, a, b, c) in zip(workers, self._overlap_rows(keys, workers, window_pages))}
+
+    def _overlap_rows(self, keys: Sequence[int], workers: Sequence[str],
+                      window_pages: int) -> list[tuple[int, int, int, int]]:
+        """``overlap_all``'s answers as ``(pages, L1, L2, L3)`` per worker, in ``workers`` order (what
+        ``route`` reads: no Overlap built for the workers it does not pick)."""
         swa = self._swa if window_pages else None
-        if _c_overlap is not None and type(keys) is list and type(workers) is list:
-            got = _c_overlap(self._full, swa, keys, workers, window_pages)
+        if _c_overlap is not None and type(keys) is list:
+            got = _c_overlap(self._full, swa, keys, workers if type(workers) is list else list(workers),
+                             window_pages)
             if got is not None:   # None: something only the Python walk judges (it raises where it must)
-                return {w: Overlap(p, {"L1": a, "L2": b, "L3": c}) for w, (p, a, b, c) in zip(workers, got)}
+                return got
         fulls = list(map(self._full.get, keys))
         if None in fulls:
             del fulls[fulls.index(None):]
-        return {w: _walk(fulls, keys, swa, w, window_pages) for w in workers}
+        out = []
+        for w in workers:
+            ov = _walk(fulls, keys, swa, w, window_pages)
+            out.append((ov.pages, ov.by_tier["L1"], ov.by_tier["L2"], ov.by_tier["L3"]))
+        return out
 
 
 try:
@@ -251,18 +263,21 @@ def route(index: PrefixIndex, keys: Sequence[int], prompt_len: int, loads: Mappi
     if cfg.policy == "round_robin":
         worker = list(loads)[turn % len(loads)]
         return worker, index.overlap(keys, worker, geom.window_pages)
-    best = None
-    overlaps = index.overlap_all(keys, list(loads), geom.window_pages)
+    workers = list(loads)
+    if isinstance(index, PrefixIndex):
+        rows = index._overlap_rows(keys, workers, geom.window_pages)
+    else:
+        rows = [(o.pages, o.by_tier["L1"], o.by_tier["L2"], o.by_tier["L3"])
+                for o in map(index.overlap_all(keys, workers, geom.window_pages).__getitem__, workers)]
     ps = geom.page_size
-    for worker, load in loads.items():
-        ov = overlaps[worker]
-        cost = (cfg.miss_weight * (prompt_len - ov.pages * ps)
-                + ps * (cfg.l1_weight * ov.by_tier["L1"] + cfg.l2_weight * ov.by_tier["L2"]
-                        + cfg.l3_weight * ov.by_tier["L3"])
+    best = None
+    for (worker, load), (pages, l1, l2, l3) in zip(loads.items(), rows):
+        cost = (cfg.miss_weight * (prompt_len - pages * ps)
+                + ps * (cfg.l1_weight * l1 + cfg.l2_weight * l2 + cfg.l3_weight * l3)
                 + cfg.load_weight * load.get("queued_tokens", 0) + cfg.running_weight * load.get("running", 0))
         if best is None or cost < best[0]:
-            best = (cost, worker, ov)
-    return best[1], best[2]
+            best = (cost, worker, pages, l1, l2, l3)
+    return best[1], Overlap(best[2], {"L1": best[3], "L2": best[4], "L3": best[5]})
 
 
 def pick_decode(loads: Mapping[str, dict]) -> str:

@@ -123,6 +123,18 @@ def test_overlap_matches_the_page_by_page_rule_on_random_indexes(compiled, monke
             for worker in workers:
                 pages, tiers = _ref_overlap(idx, BLOCKS[:n], worker, w)
                 assert (got[worker].pages, got[worker].by_tier) == (pages, tiers), (trial, worker, w)
+            # route: the lowest cost (the first on a tie), from the same overlaps
+            loads = {x: {"queued_tokens": rng.choice((0, 4, 8)), "running": rng.randrange(2)} for x in workers}
+            geom = KVGeometry(page_size=4, window=4 * w + 1) if w else KVGeometry(page_size=4)
+            costs = []
+            for x in workers:
+                pages, tiers = _ref_overlap(idx, BLOCKS[:n], x, w)
+                costs.append((CFG.miss_weight * (4 * n + 1 - pages * 4)
+                              + 4 * (CFG.l1_weight * tiers["L1"] + CFG.l2_weight * tiers["L2"] + CFG.l3_weight * tiers["L3"])
+                              + CFG.load_weight * loads[x]["queued_tokens"] + CFG.running_weight * loads[x]["running"]))
+            pick, ov = route(idx, BLOCKS[:n], 4 * n + 1, loads, CFG, geom)
+            assert pick == workers[costs.index(min(costs))]
+            assert (ov.pages, ov.by_tier) == _ref_overlap(idx, BLOCKS[:n], pick, w)
 
 
 def test_prompt_blocks_are_the_first_8_bytes_of_the_keys():
