@@ -30,9 +30,11 @@ token ids -> per-worker overlap, hashing included on both sides:
 * ``dynamo``: ``compute_block_hash_for_seq`` + ``RadixTree.find_matches`` (+ reading ``scores``).
 
 The three take turns in short rounds (``time_rounds``: the machine is shared, a busy moment should hit
-all alike): ``decisions_per_s`` is an impl's best round, ``median_round_per_s`` its median round,
-``vs_dynamo`` the median over rounds of its rate over Dynamo's in the same round; p50/p99 over all its
-decisions. ``hash_us`` is the hashing alone (strata's ``ingress_hash_us`` of old: it runs on the ingress
+all alike); each call gets a fresh copy of its prompt (new int objects, as a just-deserialized request
+brings them; made outside the timed call), the index is whatever 500 prompts over it leave in cache.
+``decisions_per_s`` is an impl's best round (calls over their summed time), ``median_round_per_s`` its
+median round, ``vs_dynamo`` the median over rounds of its rate over Dynamo's in the same round; p50/p99
+over all its decisions. ``hash_us`` is the hashing alone (strata's ``ingress_hash_us`` of old: it runs on the ingress
 and sat outside the decision), ``decide_us`` the rest (strata: ``route`` on hashed keys, the old
 ``p50_us``), each the best of 5 passes over the prompts. Memory: strata's index by tracemalloc while it
 is rebuilt from the stream's msgpack batches (decoded as the router decodes them, so every int it keeps
@@ -204,11 +206,18 @@ def build_dynamo(stream):
 
 # ----------------------------------------------------------------------------------------- timing
 
-def time_rounds(impls: dict[str, tuple[Callable, list]], seconds: float, rounds: int = 8) -> dict[str, dict]:
+def fresh(prompt: list[int]) -> list[int]:
+    """A new list of new int objects with ``prompt``'s ids: a prompt as the router receives it, just
+    deserialized (the bench's stored prompts would otherwise be read cold from a 16 MB heap each time)."""
+    return array.array("q", prompt).tolist()
+
+
+def time_rounds(impls: dict[str, tuple[Callable, list]], seconds: float, rounds: int = 24) -> dict[str, dict]:
     """Each impl ``fn(a)`` cycling over its ``args`` for ``seconds`` in all, in ``rounds`` short rounds
-    that alternate between the impls (the machine is shared: a busy moment hits every impl alike). Per
-    impl: the best round's and the median round's rate, p50/p99 over all its decisions, and per round
-    the rate (for ratios between impls taken in the same round)."""
+    that alternate between the impls (the machine is shared: a busy moment should hit every impl alike).
+    Every call gets a ``fresh`` copy of its prompt, made outside the timed call; a round's rate is its
+    calls over their summed time. Per impl: the best round's and the median round's rate, p50/p99 over
+    all its calls, and per round the rate (for ratios between impls taken in the same round)."""
     lat: dict[str, list[float]] = {k: [] for k in impls}
     rates: dict[str, list[float]] = {k: [] for k in impls}
     clock = time.perf_counter
@@ -219,18 +228,19 @@ def time_rounds(impls: dict[str, tuple[Callable, list]], seconds: float, rounds:
         for name in order:
             fn, args = impls[name]
             out = lat[name]
-            n, t0 = 0, clock()
-            end = t0 + seconds / rounds
+            n, spent = 0, 0.0
+            end = clock() + seconds / rounds
             while True:
-                a = args[n % len(args)]
+                a = fresh(args[n % len(args)])
                 t = clock()
                 fn(a)
                 t1 = clock()
                 out.append(t1 - t)
+                spent += t1 - t
                 n += 1
                 if t1 >= end:
                     break
-            rates[name].append(n / (clock() - t0))
+            rates[name].append(n / spent)
     res = {}
     for name in impls:
         lat[name].sort()
@@ -241,13 +251,16 @@ def time_rounds(impls: dict[str, tuple[Callable, list]], seconds: float, rounds:
     return res
 
 
-def best_us(fn: Callable[[object], object], args: list, rounds: int = 5) -> float:
+def best_us(fn: Callable[[object], object], args: list, rounds: int = 5, prompts: bool = False) -> float:
+    """The best of ``rounds`` passes of ``fn`` over ``args``, per call (``prompts``: each pass on ``fresh``
+    copies made before it, as ``time_rounds`` gives them)."""
     best = float("inf")
     for _ in range(rounds):
+        xs = [fresh(a) for a in args] if prompts else args
         t = time.perf_counter()
-        for a in args:
+        for a in xs:
             fn(a)
-        best = min(best, (time.perf_counter() - t) / len(args))
+        best = min(best, (time.perf_counter() - t) / len(xs))
     return 1e6 * best
 
 
@@ -260,10 +273,7 @@ def scale_rows(target: int, seconds: float, rng: random.Random) -> tuple[list[di
     idx = build_strata(stream)
     workers = [f"p{i}" for i in range(WORKERS)]
     loads = {w: {"queued_tokens": rng.randrange(2000), "running": rng.randrange(8)} for w in workers}
-    # Each prompt a list of its own int objects, laid out as a deserialized request's are (the stream's
-    # lists hold ids allocated between everything else the build made); both sides read the same lists.
-    prompts = [array.array("q", c + [rng.randrange(32000) for _ in range(NEW_TURN)]).tolist()
-               for c in rng.sample(alive, min(len(alive), 500))]
+    prompts = [c + [rng.randrange(32000) for _ in range(NEW_TURN)] for c in rng.sample(alive, min(len(alive), 500))]
     wp = geom.window_pages
     common = {"indexed_pages": len(idx), "workers": WORKERS, "prompt_tokens": len(prompts[0]),
               "events": n_events}
@@ -274,14 +284,14 @@ def scale_rows(target: int, seconds: float, rng: random.Random) -> tuple[list[di
     def strata_overlap(p):
         return idx.overlap_all(prompt_blocks(p, geom, cfg), workers, wp)
 
-    hash_us = best_us(lambda p: prompt_blocks(p, geom, cfg), prompts)
+    hash_us = best_us(lambda p: prompt_blocks(p, geom, cfg), prompts, prompts=True)
     keyed = [(prompt_blocks(p, geom, cfg), len(p)) for p in prompts]
     decide_us = best_us(lambda k: route(idx, k[0], k[1], loads, cfg, geom), keyed)
     traced, rss = strata_memory(stream)
     mem = {"index_mb": traced / 2**20, "rss_mb": rss / 2**20}
     check = {"stream_build_s": build_s, "prompts": len(prompts), "conversations_alive": len(alive)}
     impls = {"strata route": (strata_route, prompts), "strata overlap": (strata_overlap, prompts)}
-    extra = {"strata route": {"hash_us": hash_us, "decide_us": decide_us, **mem},
+    extra = {"strata route": {"hash_us": hash_us, "ingress_hash_us": hash_us, "decide_us": decide_us, **mem},
              "strata overlap": {"hash_us": hash_us,
                                 "decide_us": best_us(lambda k: idx.overlap_all(k[0], workers, wp), keyed), **mem}}
     if DynamoTree is not None:
@@ -300,7 +310,7 @@ def scale_rows(target: int, seconds: float, rng: random.Random) -> tuple[list[di
             disagree += any(d.get(w, 0) != s[w].pages for w in workers)
         check["full_only_disagreements"] = disagree
         impls["dynamo"] = (dynamo, prompts)
-        extra["dynamo"] = {"hash_us": best_us(lambda p: compute_block_hash_for_seq(p, PS), prompts),
+        extra["dynamo"] = {"hash_us": best_us(lambda p: compute_block_hash_for_seq(p, PS), prompts, prompts=True),
                            "decide_us": best_us(lambda h: tree.find_matches(h).scores,
                                                 [compute_block_hash_for_seq(p, PS) for p in prompts]),
                            "index_mb": drss / 2**20, "rss_mb": drss / 2**20}
