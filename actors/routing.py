@@ -10,11 +10,13 @@ the worker or L3) -- the rule of the worker's own radix tree.
 from __future__ import annotations
 
 from collections import defaultdict
+from itertools import repeat
+from operator import contains
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 from storage.geometry import KVGeometry
-from storage.hashing import DEFAULT_SEED, page_keys
+from storage.hashing import DEFAULT_SEED, page_ids, page_keys
 from storage.kv_events.translate import FULL_GROUP, SLIDING_GROUP
 from storage.kv_events.wire import AllBlocksCleared, BlockStored
 
@@ -141,49 +143,98 @@ class PrefixIndex:
         return self.overlap_all(keys, [worker], window_pages)[worker]
 
     def overlap_all(self, keys: Sequence[int], workers: list[str], window_pages: int) -> dict[str, Overlap]:
-        """``overlap`` for several workers; each key is looked up once per table (a C-level pass), then
-        each worker walks the looked-up holders until its first miss."""
-        fulls = [self._full.get(k) for k in keys]
-        swas = [self._swa.get(k) for k in keys] if window_pages else None
-        return {w: _walk(fulls, swas, w, window_pages) for w in workers}
+        """``overlap`` for several workers. Each key is looked up once in the full table up to the first
+        page nobody holds (no worker's prefix goes past it), then each worker walks the looked-up holders
+        (``_walk``; compiled in actors/_routing.c where it built, the same answers)."""
+        return {w: Overlap(p, {"L1": a, "L2": b, "L3": c})
+                for w, (p, a, b, c) in zip(workers, self._overlap_rows(keys, workers, window_pages))}
+
+    def _overlap_rows(self, keys: Sequence[int], workers: Sequence[str],
+                      window_pages: int) -> list[tuple[int, int, int, int]]:
+        """``overlap_all``'s answers as ``(pages, L1, L2, L3)`` per worker, in ``workers`` order (what
+        ``route`` reads: no Overlap built for the workers it does not pick)."""
+        swa = self._swa if window_pages else None
+        if _c_overlap is not None and type(keys) is list:
+            got = _c_overlap(self._full, swa, keys, workers if type(workers) is list else list(workers),
+                             window_pages)
+            if got is not None:   # None: something only the Python walk judges (it raises where it must)
+                return got
+        fulls = list(map(self._full.get, keys))
+        if None in fulls:
+            del fulls[fulls.index(None):]
+        out = []
+        for w in workers:
+            ov = _walk(fulls, keys, swa, w, window_pages)
+            out.append((ov.pages, ov.by_tier["L1"], ov.by_tier["L2"], ov.by_tier["L3"]))
+        return out
 
 
-def _walk(fulls: list, swas: list | None, worker: str, window_pages: int) -> Overlap:
-    """The usable prefix for one worker over looked-up holders (see the module doc for the rule)."""
-    best_m, run_start = 0, None
-    seen = [0, 0, 0]          # pages per tier so far (L1, L2, L3)
-    at_best = (0, 0, 0)
-    for i, holders in enumerate(fulls):
-        t = _top(holders, worker)
-        if t is None:
+try:
+    from actors._routing import overlap as _c_overlap   # the same walk compiled (actors/_routing.c)
+except ImportError:   # built without a C compiler: the Python walk below, slower on a large index
+    _c_overlap = None
+
+_L3_ONLY = frozenset((L3_WORKER,))   # a page the worker lacks but the shared L3 has: served from L3
+
+
+def _walk(fulls: list, keys: Sequence[int], swa: dict | None, worker: str, window_pages: int) -> Overlap:
+    """The usable prefix for one worker (see the module doc for the rule) over the looked-up full holders
+    ``fulls`` of ``keys``: the worker's full pages run up to its first page held neither by it nor by L3;
+    the prefix is usable up to the end of the last run of SWA pages (in ``swa``: the worker's or L3's)
+    inside it that is ``window_pages`` long or starts at page 0 (``swa`` None: no window to check). The
+    scans are C-level where they can be (``map``, ``list.index``); the SWA table is read only where the
+    scan down from the end of the full prefix looks (most often one window)."""
+    if not fulls or (worker not in fulls[0] and _l3(fulls[0]) is None):
+        return Overlap(0, {"L1": 0, "L2": 0, "L3": 0})    # most workers, for most prompts: nothing at all
+    mine = list(map(dict.get, fulls, repeat(worker)))   # the worker's tiers per page, None: it lacks it
+    n = len(mine)
+    j = mine.index(None) if None in mine else n
+    while j < n:
+        if _l3(fulls[j]) is None:
+            n = j
             break
-        seen[TIER_RANK[t]] += 1
-        if swas is None:
-            best_m, at_best = i + 1, seen
-            continue
-        if _top(swas[i], worker) is not None:
-            if run_start is None:
-                run_start = i
-            if run_start == 0 or i + 1 - run_start >= window_pages:
-                best_m, at_best = i + 1, tuple(seen)
-        else:
-            run_start = None
-    ov = Overlap(best_m)
-    ov.by_tier.update(L1=at_best[0], L2=at_best[1], L3=at_best[2])
-    return ov
+        mine[j] = _L3_ONLY
+        j = mine.index(None) if None in mine else n
+    best = n
+    if swa is not None:
+        # the last SWA run that counts: scan down from the end of the full prefix, run by run
+        best, i, get = 0, n - 1, swa.get
+        while i >= 0:
+            while i >= 0 and not _has(get(keys[i]), worker):
+                i -= 1
+            end = i
+            while i >= 0 and _has(get(keys[i]), worker):
+                i -= 1
+            if end >= 0 and (i < 0 or end - i >= window_pages):
+                best = end + 1
+                break
+    if not best:
+        return Overlap(0, {"L1": 0, "L2": 0, "L3": 0})
+    top = mine[:best] if best < len(mine) else mine
+    l1 = sum(map(contains, top, repeat("L1")))
+    if l1 == best:
+        return Overlap(best, {"L1": best, "L2": 0, "L3": 0})
+    by_tier = {"L1": 0, "L2": 0, "L3": 0}
+    for tiers in top:
+        by_tier[_best_tier(tiers)] += 1
+    return Overlap(best, by_tier)
 
 
-def _top(holders: dict | None, worker: str) -> str | None:
-    """Fastest tier of a page for ``worker``: its own L1/L2, else the shared L3."""
-    if not holders:
-        return None
-    best = None
-    for t in holders.get(worker, ()):
-        if best is None or TIER_RANK[t] < TIER_RANK[best]:
-            best = t
-    if best is None and "L3" in holders.get(L3_WORKER, ()):
-        best = "L3"
-    return best
+def _l3(holders: dict) -> str | None:
+    """"L3" where the shared L3 holds the page."""
+    return "L3" if "L3" in holders.get(L3_WORKER, ()) else None
+
+
+def _has(holders: dict | None, worker: str) -> bool:
+    """Whether ``worker`` can read a page's data: it holds it, or the shared L3 does."""
+    return bool(holders) and (worker in holders or "L3" in holders.get(L3_WORKER, ()))
+
+
+def _best_tier(tiers) -> str:
+    """The fastest of a worker's tiers of a page (``_L3_ONLY``: the shared L3's)."""
+    if tiers is _L3_ONLY:
+        return "L3"
+    return min(tiers, key=TIER_RANK.__getitem__)
 
 
 class NoWorkerError(ValueError):
@@ -197,8 +248,10 @@ def prompt_keys(tokens: Sequence[int], geom: KVGeometry, cfg: RouterConfig) -> l
 
 
 def prompt_blocks(tokens: Sequence[int], geom: KVGeometry, cfg: RouterConfig) -> list[int]:
-    """The wire's block ids of the prompt's cacheable pages: what the index is keyed by."""
-    return [int.from_bytes(k[:8], "big") for k in prompt_keys(tokens, geom, cfg)]
+    """The wire's block ids of the prompt's cacheable pages: what the index is keyed by (the first 8
+    bytes of each ``prompt_keys`` key, big-endian; computed without the keys, storage/hashing.page_ids)."""
+    return page_ids(tokens, geom.page_size, seed=cfg.seed,
+                    num_pages=geom.cacheable_tokens(len(tokens)) // geom.page_size)
 
 
 def route(index: PrefixIndex, keys: Sequence[int], prompt_len: int, loads: Mapping[str, dict],
@@ -210,18 +263,21 @@ def route(index: PrefixIndex, keys: Sequence[int], prompt_len: int, loads: Mappi
     if cfg.policy == "round_robin":
         worker = list(loads)[turn % len(loads)]
         return worker, index.overlap(keys, worker, geom.window_pages)
-    best = None
-    overlaps = index.overlap_all(keys, list(loads), geom.window_pages)
+    workers = list(loads)
+    if isinstance(index, PrefixIndex):
+        rows = index._overlap_rows(keys, workers, geom.window_pages)
+    else:
+        rows = [(o.pages, o.by_tier["L1"], o.by_tier["L2"], o.by_tier["L3"])
+                for o in map(index.overlap_all(keys, workers, geom.window_pages).__getitem__, workers)]
     ps = geom.page_size
-    for worker, load in loads.items():
-        ov = overlaps[worker]
-        cost = (cfg.miss_weight * (prompt_len - ov.pages * ps)
-                + ps * (cfg.l1_weight * ov.by_tier["L1"] + cfg.l2_weight * ov.by_tier["L2"]
-                        + cfg.l3_weight * ov.by_tier["L3"])
+    best = None
+    for (worker, load), (pages, l1, l2, l3) in zip(loads.items(), rows):
+        cost = (cfg.miss_weight * (prompt_len - pages * ps)
+                + ps * (cfg.l1_weight * l1 + cfg.l2_weight * l2 + cfg.l3_weight * l3)
                 + cfg.load_weight * load.get("queued_tokens", 0) + cfg.running_weight * load.get("running", 0))
         if best is None or cost < best[0]:
-            best = (cost, worker, ov)
-    return best[1], best[2]
+            best = (cost, worker, pages, l1, l2, l3)
+    return best[1], Overlap(best[2], {"L1": best[3], "L2": best[4], "L3": best[5]})
 
 
 def pick_decode(loads: Mapping[str, dict]) -> str:

@@ -159,6 +159,56 @@ def _chain(parent: bytes, encoded: bytes, page_bytes: int, n_pages: int) -> list
     return out
 
 
+try:
+    from storage._hashing import chain_ids as _c_chain_ids
+except ImportError:   # built without a C compiler: the same ids from hashlib, slower
+    _c_chain_ids = None
+COMPILED = _c_chain_ids is not None
+
+
+def block_id(key: bytes) -> int:
+    """A page key's block id on the KV-event wire: its first 8 bytes, big-endian, as an unsigned int
+    (storage/kv_events/translate.block_hash)."""
+    return int.from_bytes(key[:8], "big")
+
+
+def page_ids(tokens: Tokens, page_size: int, *, seed: Seed = DEFAULT_SEED, salt: Seed | None = None,
+             parent: bytes | None = None, num_pages: int | None = None) -> list[int]:
+    """``[block_id(k) for k in page_keys(tokens, page_size, ...)]`` (same arguments, same errors),
+    computed without the keys' bytes objects: the compiled chain (storage/_hashing.c) for a list of ints,
+    else hashlib with the ids unpacked in one call. ``num_pages``: only the first ones (at most
+    ``len(tokens) // page_size``; the ids of ``tokens[:num_pages * page_size]``, without the slice)."""
+    _check_page_size(page_size)
+    if parent is not None:
+        if salt is not None:
+            raise ValueError("parent already encodes the salt; pass one of parent / salt")
+        start = _check_key(parent)
+    else:
+        start = root_key(seed, salt)
+    if num_pages is not None:
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
+            raise ValueError(f"num_pages must be an int >= 0, got {num_pages!r}")
+        if num_pages * page_size < len(tokens):
+            if _c_chain_ids is not None and type(tokens) is list and num_pages <= len(tokens) // page_size:
+                ids = _c_chain_ids(start, tokens, page_size, num_pages, _PAGE_PERSON)
+                if ids is not None:
+                    return ids
+            tokens = list(tokens)[:num_pages * page_size]
+    if _c_chain_ids is not None and type(tokens) is list:
+        ids = _c_chain_ids(start, tokens, page_size, len(tokens) // page_size, _PAGE_PERSON)
+        if ids is not None:
+            return ids
+        # an id that is not an int in [0, 2**63): the Python path raises the precise error
+    enc = encode_tokens(tokens)
+    n_pages = len(enc) // (8 * page_size)
+    return _ids(_chain(start, enc, 8 * page_size, n_pages))
+
+
+def _ids(keys: list[bytes]) -> list[int]:
+    """The block ids of ``keys`` (KEY_BYTES each): one unpack of the joined keys."""
+    return list(struct.unpack(f">{len(keys)}Q", b"".join(k[:8] for k in keys))) if keys else []
+
+
 def next_key(parent: bytes, page_tokens: Tokens) -> bytes:
     """One link of the chain: the key of a page whose predecessor has key ``parent``.
 

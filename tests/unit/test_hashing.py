@@ -145,3 +145,43 @@ def test_encode_takes_numpy_ids():
     assert encode_tokens(np.arange(8, dtype=np.int64)) == encode_tokens(list(range(8)))
     with pytest.raises(ValueError):
         encode_tokens(np.array([3, -3], dtype=np.int64))
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_page_ids_are_the_keys_first_8_bytes_big_endian(compiled, monkeypatch):
+    import random
+
+    from storage import hashing
+    if not compiled:
+        monkeypatch.setattr(hashing, "_c_chain_ids", None)
+    elif not hashing.COMPILED:
+        pytest.skip("storage/_hashing.c did not build here")
+    rng = random.Random(5)
+    for ps in (1, 3, 14, 15, 16, 17, 64):    # 14: parent + page fill one BLAKE2b block exactly
+        toks = [rng.randrange(2**63) if rng.random() < 0.1 else rng.randrange(50000) for _ in range(rng.randrange(5 * ps))]
+        ids = [hashing.block_id(k) for k in page_keys(toks, ps)]
+        assert hashing.page_ids(toks, ps) == ids
+        assert hashing.page_ids(tuple(toks), ps) == ids
+        parent = page_keys([9] * ps, ps, seed="s")[0]
+        assert hashing.page_ids(toks, ps, parent=parent) == [hashing.block_id(k) for k in page_keys(toks, ps, parent=parent)]
+        assert hashing.page_ids(toks, ps, seed=7, salt="t") == [hashing.block_id(k) for k in page_keys(toks, ps, seed=7, salt="t")]
+    assert hashing.page_ids([True, 2], 2) == [hashing.block_id(page_keys([1, 2], 2)[0])]
+    for bad, err in (([1, -1], ValueError), ([1, 2**63], ValueError), ([1, 2.0], TypeError), ([1, "a"], TypeError)):
+        with pytest.raises(err):
+            hashing.page_ids(bad, 2)
+    with pytest.raises(ValueError):
+        hashing.page_ids([1, 2], 0)
+
+
+def test_page_ids_num_pages_is_the_prefix():
+    from storage import hashing
+    toks = list(range(1000, 1000 + 7 * 4 + 3))
+    for n in range(0, 8):
+        assert hashing.page_ids(toks, 4, num_pages=n) == hashing.page_ids(toks[:4 * n], 4)
+        assert hashing.page_ids(tuple(toks), 4, num_pages=n) == hashing.page_ids(toks[:4 * n], 4)
+    assert hashing.page_ids(toks, 4, num_pages=99) == hashing.page_ids(toks, 4)
+    with pytest.raises(ValueError):
+        hashing.page_ids(toks[:3] + [-1] + toks, 4, num_pages=1)    # a bad id in the pages hashed
+    for bad in (-1, 1.0, True):
+        with pytest.raises(ValueError):
+            hashing.page_ids(toks, 4, num_pages=bad)

@@ -70,3 +70,77 @@ def test_pick_decode_and_errors():
         route(PrefixIndex(), BLOCKS, 41, {}, CFG, GEOM)
     with pytest.raises(ValueError, match="l2_weight"):
         RouterConfig(l2_weight=-1)
+
+
+def _ref_overlap(idx: PrefixIndex, keys, worker, window_pages):
+    """The rule of the module doc, page by page (the index's walk before it was made C-level): the oracle."""
+    def top(holders):
+        if not holders:
+            return None
+        mine = holders.get(worker) or ()
+        if mine:
+            return min(mine, key={"L1": 0, "L2": 1, "L3": 2}.__getitem__)
+        return "L3" if "L3" in holders.get(L3_WORKER, ()) else None
+    best, at_best, seen, run_start = 0, {"L1": 0, "L2": 0, "L3": 0}, {"L1": 0, "L2": 0, "L3": 0}, None
+    for i, k in enumerate(keys):
+        t = top(idx._full.get(k))
+        if t is None:
+            break
+        seen[t] += 1
+        if not window_pages:
+            best, at_best = i + 1, dict(seen)
+        elif top(idx._swa.get(k)) is not None:
+            run_start = i if run_start is None else run_start
+            if run_start == 0 or i + 1 - run_start >= window_pages:
+                best, at_best = i + 1, dict(seen)
+        else:
+            run_start = None
+    return best, at_best
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_overlap_matches_the_page_by_page_rule_on_random_indexes(compiled, monkeypatch):
+    import random
+
+    from actors import routing
+    if not compiled:
+        monkeypatch.setattr(routing, "_c_overlap", None)
+    elif routing._c_overlap is None:
+        pytest.skip("actors/_routing.c did not build here")
+    rng = random.Random(7)
+    workers = ["p0", "p1", "p2"]
+    for trial in range(300):
+        idx, n = PrefixIndex(), rng.randrange(1, 11)
+        for holder in workers + [L3_WORKER]:
+            for comp in ("full", "swa"):
+                for tier in (("L3",) if holder == L3_WORKER else ("L1", "L2")):
+                    if rng.random() < 0.6:
+                        idx.apply(holder, [ev("stored", tier, comp, rng.sample(KEYS[:n], rng.randrange(n + 1)))])
+        if rng.random() < 0.3:    # removals leave holders without a tier, keys without holders
+            idx.apply(rng.choice(workers), [ev("removed", "L1", rng.choice(("full", "swa")), KEYS[:n])])
+        for w in (0, 1, 2, 3):
+            got = idx.overlap_all(BLOCKS[:n], workers, w)
+            for worker in workers:
+                pages, tiers = _ref_overlap(idx, BLOCKS[:n], worker, w)
+                assert (got[worker].pages, got[worker].by_tier) == (pages, tiers), (trial, worker, w)
+            # route: the lowest cost (the first on a tie), from the same overlaps
+            loads = {x: {"queued_tokens": rng.choice((0, 4, 8)), "running": rng.randrange(2)} for x in workers}
+            geom = KVGeometry(page_size=4, window=4 * w + 1) if w else KVGeometry(page_size=4)
+            costs = []
+            for x in workers:
+                pages, tiers = _ref_overlap(idx, BLOCKS[:n], x, w)
+                costs.append((CFG.miss_weight * (4 * n + 1 - pages * 4)
+                              + 4 * (CFG.l1_weight * tiers["L1"] + CFG.l2_weight * tiers["L2"] + CFG.l3_weight * tiers["L3"])
+                              + CFG.load_weight * loads[x]["queued_tokens"] + CFG.running_weight * loads[x]["running"]))
+            pick, ov = route(idx, BLOCKS[:n], 4 * n + 1, loads, CFG, geom)
+            assert pick == workers[costs.index(min(costs))]
+            assert (ov.pages, ov.by_tier) == _ref_overlap(idx, BLOCKS[:n], pick, w)
+
+
+def test_prompt_blocks_are_the_first_8_bytes_of_the_keys():
+    import random
+    rng = random.Random(3)
+    for n in (0, 1, 4, 5, 41, 333):
+        toks = [rng.randrange(1 << 40) for _ in range(n)]
+        assert prompt_blocks(toks, GEOM, CFG) == [int.from_bytes(k[:8], "big") for k in prompt_keys(toks, GEOM, CFG)]
+        assert prompt_blocks(tuple(toks), GEOM, CFG) == prompt_blocks(toks, GEOM, CFG)
