@@ -15,13 +15,24 @@ Ray cluster (own STRATA_HOME, free port); its processes' CPU times come from /pr
 Short requests over HTTP run closed-loop, 16 in flight; the engine runs them as 4 waves of 16 (and one
 batch of 64). Writes bench/results/overhead.json (``--profile``: overhead_profile.json).
 
-Findings (colocated, 64 short requests at 16 in flight, 2 busy cores; figures in the JSON/report):
-per request the path makes 2 Ray actor calls from the ingress (router.route, worker.generate) plus one
-streamed Ray object per generated token, and Serve's proxy makes 1 call to the replica and streams
-every response chunk through Ray as well. The proxy and the ingress burn most of the CPU per request
-(uvicorn/starlette + Serve's request/response streaming, pydantic, asyncio), the worker's Ray
-streaming-generator plumbing per token is comparable to its model time on strata-tiny, and the load
-generator itself takes a large share of the two cores.
+Findings (2 cores shared with other jobs: timings noisy; details in overhead_profile.json):
+- The cluster is CPU-bound, not wait-bound: a short request (32 tokens, 8 new) costs ~29-35 ms of CPU in
+  all (colocated; 1P+1D ~44) against ~2.8 ms in the engine alone, on 2 cores; so ~55 req/s at best.
+- Per short request, colocated: proxy ~4.5 ms, ingress ~8.5, router ~1.3, worker ~11.5 (the engine's own
+  part ~3), Ray's daemons ~1, load generator ~1.8. HiCache write-through of every new prompt (L2 + file
+  L3) adds ~0-5 ms in the worker and ~1-2 ms in the storage actor (the colocated-l1 config leaves it out).
+- Ray messages per request: proxy -> replica 1 call, replica -> proxy 2 calls (receive_asgi_messages:
+  the body, then the disconnect watch), ingress -> router 1 (route), ingress -> worker 1 (generate); then
+  one streamed Ray object per token worker -> ingress, and ingress -> proxy one per response chunk
+  (2.3 for a non-streamed request, 18.4 for a 16-token stream). Per token: 1 (non-streamed) or 2 (SSE)
+  Ray objects, each pickled.
+- Python on CPU (py-spy --gil): proxy = Serve's router/replica-result plumbing + uvicorn + its access
+  log; ingress = Ray actor calls/serialization (~27%), asyncio (~20%), Serve's replica wrapper and
+  ASGI receive proxy (~12%), starlette/fastapi incl. a BaseHTTPMiddleware (`_json_bodies`, ~11%),
+  strata's own front ~8%, pydantic ~3%; worker = engine thread ~50% (model ~31%), L2/L3 write-through
+  ~12-25%, pickling stream items ~9%; router = mostly the KV-event catch-up and reports, route ~3%.
+- A slow reader (4 KB socket buffer, 3 s late, ~1 MB of SSE) does not hold others back: its output is
+  buffered by the stack (unbounded, per client) and the others' latency matches the prompt-reader case.
 """
 from __future__ import annotations
 
@@ -50,6 +61,9 @@ CONFIGS = {   # overrides of cluster/configs/default.yaml (the engine settings s
     "colocated": {"workers": {"colocated": 1, "prefill": 0, "decode": 0}},
     "1p1d": {},
     "2p1d": {"workers": {"prefill": 2, "decode": 1}, "router": {"policy": "prefix"}},
+    # Not in the default run: colocated without the host/L3 tiers, as the engine-alone row runs (so the
+    # difference to "colocated" is what L2/L3 write-through of every new prompt costs the worker).
+    "colocated-l1": {"workers": {"colocated": 1, "prefill": 0, "decode": 0}, "engine": {"hicache": None}},
 }
 # The server's engine settings (cluster/configs/default.yaml) without its host/L3 tiers.
 ENGINE = dict(page_size=16, num_pages=2048, max_batch_tokens=512, max_running_requests=64, torch_threads=1,
@@ -376,7 +390,7 @@ def _http_rows(srv: Server, reps: dict) -> dict:
 
 
 # ---- the profile (colocated, short requests) -----------------------------------------------------------
-def profile(seconds: float, rate: int) -> dict:
+def profile(seconds: float, rate: int, native: bool = True) -> dict:
     import shutil
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     calls = tempfile.mkdtemp(prefix="strata-overhead-calls-")
@@ -411,7 +425,9 @@ def profile(seconds: float, rate: int) -> dict:
                 f = os.path.join(outdir, f"{k}-{pid}.txt")
                 files[f] = k
                 spies.append(subprocess.Popen([spy, "record", "--pid", str(pid), "--duration", str(int(seconds)),
-                                               "--rate", str(rate), "--format", "raw", "--nonblocking", "-o", f],
+                                               "--rate", str(rate), "--format", "raw", "--threads", "-o", f]
+                                              # native frames need the target paused at each sample
+                                              + (["--native"] if native else ["--nonblocking", "--gil"]),
                                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
         time.sleep(1.0)
         t0, done, before = time.monotonic(), 0, srv.meter.sample()
@@ -432,7 +448,9 @@ def profile(seconds: float, rate: int) -> dict:
         summary = {k: summarize_stacks(v["files"]) for k, v in prof.items()}
         return {"requests": done, "cpu_ms_per_req": {k: v * 1000 / done for k, v in cpu.items()},
                 "ray_calls_per_request": per_req, "ray_calls_per_stream_16_tokens": stream_calls,
-                "py_spy": summary, "py_spy_errors": errs, "raw_dir": outdir, "rate_hz": rate, "seconds": seconds}
+                "py_spy": summary, "py_spy_errors": errs, "raw_dir": outdir, "rate_hz": rate, "seconds": seconds, "native": native,
+                "py_spy_mode": "--native (targets paused at each sample)" if native else
+                "--gil --nonblocking (Python frames of the thread holding the GIL)"}
     finally:
         srv.stop()
 
@@ -454,26 +472,36 @@ def _read_calls(d: str, meter: CpuMeter) -> dict[str, dict[str, int]]:
     return out
 
 
-BUCKETS = [   # (name, substrings of a frame "func (file)") — the first that matches a stack wins
-    ("engine: model forward", ("engine/model/", "torch/nn/")),
-    ("engine: scheduler/cache", ("engine/scheduler", "engine/kv", "storage/", "engine/engine.py")),
-    ("kv events / reports", ("kv_events", "report", "cache_report")),
-    ("pydantic / json", ("pydantic", "json/", "orjson", "http_models", "encoder.py", "decoder.py")),
+BUCKETS = [   # (name, substrings of a frame "func (file)"); the innermost frame that matches names the sample
+    ("engine: model forward", ("engine/model/", "torch/nn/", "libtorch", "libgomp")),
+    ("engine: scheduler/cache/kv", ("engine/", "storage/")),
+    ("kv events / reports / l3", ("kv_events", "cache_report", "zmq", "libzmq", "msgspec")),
+    ("strata front/ingress/worker", ("actors/",)),
+    ("pydantic / json", ("pydantic", "json/", "orjson", "_json", "encoder.py", "decoder.py")),
     ("serve: proxy/router/replica", ("ray/serve/",)),
     ("http: uvicorn/starlette/fastapi/httpx/h11", ("uvicorn", "starlette", "fastapi", "h11", "httpx", "httpcore",
-                                                  "anyio")),
-    ("ray core: calls/objects/serialization", ("ray/_private", "ray/actor.py", "ray/_raylet", "ray/remote_function",
-                                              "cloudpickle", "serialization", "ray/util", "_raylet")),
-    ("strata front/ingress", ("actors/",)),
-    ("asyncio", ("asyncio/",)),
+                                                  "anyio", "httptools")),
+    ("ray core, python: calls/objects/serialization", ("ray/_private", "ray/actor.py", "ray/remote_function",
+                                                      "cloudpickle", "ray/util", "pickle")),
+    ("ray core, C++: core worker/gRPC/plasma", ("_raylet", "grpc", "ray::", "boost", "libprotobuf", "absl")),
+    ("asyncio / uvloop", ("asyncio/", "uvloop", "loop.cpython")),
+    ("python interpreter", ("libpython",)),
 ]
+# A leaf that is a blocking call: the thread waits (py-spy counts a thread that is runnable as active, and a
+# thread blocked in native code may read as active): left out of the buckets, its share reported.
+WAITING = ("epoll_wait", "epoll_pwait", "futex", "pthread_cond", "clock_nanosleep", "nanosleep", "__poll", "poll (",
+           "select (", "sem_wait", "sem_timedwait", "lll_lock_wait", "accept", "pause (", "sigtimedwait",
+           "time_sleep", "Condition.wait", "EpollSelector.select", "Poller.poll", "read_frame", "recv (")
 
 
-def summarize_stacks(files: list[str], top: int = 12) -> dict:
-    """py-spy raw (collapsed) stacks -> samples, the hottest leaf frames, and the share of each bucket."""
+def summarize_stacks(files: list[str], top: int = 15) -> dict:
+    """py-spy raw (collapsed, --native --threads) stacks -> samples, the share of samples waiting, the share
+    of each bucket among the others, the hottest leaf frames, and the threads."""
     leaves: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
     buckets: dict[str, int] = {}
-    total = 0
+    threads: dict[str, int] = {}
+    total = waiting = 0
     for f in files:
         for line in Path(f).read_text(errors="replace").splitlines():
             stack, _, n = line.rpartition(" ")
@@ -482,19 +510,30 @@ def summarize_stacks(files: list[str], top: int = 12) -> dict:
             n = int(n)
             frames = stack.split(";")
             total += n
+            # an unresolved libc frame (native mode) is, here, nearly always a blocking syscall's wrapper
+            if any(w in frames[-1] for w in WAITING) or (frames[-1].startswith("0x") and "libc" in frames[-1]):
+                waiting += n
+                continue
+            thread = frames[0].split(": ", 1)[-1] if frames[0].startswith("thread") else "?"
+            threads[thread] = threads.get(thread, 0) + n
             leaf = frames[-1]
             leaves[leaf] = leaves.get(leaf, 0) + n
-            b = next((name for name, subs in BUCKETS if any(s in fr for fr in frames[1:] for s in subs)), "other")
-            # the innermost matching bucket tells more than the outermost: look from the leaf up
-            for fr in reversed(frames):
-                hit = next((name for name, subs in BUCKETS if any(s in fr for s in subs)), None)
+            for fr in set(frames[1:]):
+                if not any(x in fr for x in ("threading.py", "default_worker.py", "Worker.main_loop")):
+                    inclusive[fr] = inclusive.get(fr, 0) + n
+            b = "other"
+            for fr in reversed(frames[1:]):
+                hit = next((name for name, subs in BUCKETS if any(x in fr for x in subs)), None)
                 if hit:
                     b = hit
                     break
             buckets[b] = buckets.get(b, 0) + n
-    pct_ = lambda d: {k: round(100 * v / total, 1) for k, v in sorted(d.items(), key=lambda kv: -kv[1])}  # noqa
-    return {"samples": total, "buckets_pct": pct_(buckets),
-            "top_leaves_pct": dict(list(pct_(leaves).items())[:top])}
+    busy = max(1, total - waiting)
+    pct_ = lambda d: {k: round(100 * v / busy, 1) for k, v in sorted(d.items(), key=lambda kv: -kv[1])}  # noqa
+    return {"samples": total, "waiting_pct": round(100 * waiting / max(1, total), 1),
+            "buckets_pct_of_busy": pct_(buckets), "threads_pct_of_busy": dict(list(pct_(threads).items())[:8]),
+            "top_leaves_pct_of_busy": dict(list(pct_(leaves).items())[:top]),
+            "top_inclusive_pct_of_busy": dict(list(pct_(inclusive).items())[:3 * top])}
 
 
 # ---- the report ----------------------------------------------------------------------------------------
@@ -522,19 +561,19 @@ def _cell(name: str, res: dict, key: str, eng: dict | None) -> str:
         s = r.get("slow_reader")
         if s is None:
             return "-"
-        return " -> ".join(f"{s[k]['p50']:.0f}/{s[k]['p99']:.0f}" for k in ("alone", "beside_reader", "beside_slow_reader"))
+        return "->".join(f"{s[k]['p50']:.0f}/{s[k]['p99']:.0f}" for k in ("alone", "beside_reader", "beside_slow_reader"))
     return "-"
 
 
 def report(res: dict) -> str:
-    names = [n for n in ("engine", "colocated", "1p1d", "2p1d") if n in res]
+    names = [n for n in ("engine", *CONFIGS) if n in res]
     eng = res.get("engine")
-    rows = [("TTFT, cached 512-token prompt, 1 new: p50 / p90 / p99 ms", "ttft_cached"),
-            ("64 new tokens after it, whole request p50 s (x engine)", "long64"),
-            ("64 short (32 tok, 8 new), 16 at a time: req/s (x engine waves)", "short"),
+    rows = [("TTFT, cached 512-tok prompt, 1 new: p50/p90/p99 ms", "ttft_cached"),
+            ("64 new after it: request p50 s (x engine)", "long64"),
+            ("64 short (32 tok, 8 new), 16 at once: req/s (x eng.)", "short"),
             ("GET /v1/models p50 ms", "models"),
-            ("64 concurrent streams (32 tok, 16 new): TTFT p50 / p99 ms", "streams64"),
-            ("15 streams (32 new) p50/p99 ms: alone -> beside a 512-token stream -> same read 3 s late", "slow")]
+            ("64 streams at once (16 new): TTFT p50/p99 ms", "streams64"),
+            ("15 streams p50/p99 ms: alone->+reader->+slow reader", "slow")]
     out = [{"what": label, **{n: _cell(n, res, key, eng) for n in names}} for label, key in rows]
     if eng:
         out.append({"what": "engine: the 64 short as one batch: req/s", "engine": f"{eng['short_batch64']['req_s']:.0f}"})
@@ -562,13 +601,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="py-spy and Ray call counts, colocated short requests")
     ap.add_argument("--profile-seconds", type=float, default=20.0)
     ap.add_argument("--profile-rate", type=int, default=100)
+    ap.add_argument("--profile-native", action="store_true",
+                    help="py-spy with native frames (pauses the targets at each sample); default: only the "
+                         "thread holding the GIL, Python frames, --nonblocking")
     args = ap.parse_args(argv)
     if args.profile:
-        p = profile(args.profile_seconds, args.profile_rate)
+        p = profile(args.profile_seconds, args.profile_rate, args.profile_native)
         print(json.dumps({k: v for k, v in p.items() if k != "py_spy"}, indent=1))
         for k, s in p["py_spy"].items():
-            print(f"\n{k}: {s['samples']} samples\n  buckets: {s['buckets_pct']}\n  top leaves: "
-                  + "\n    ".join(f"{v:5.1f}% {f}" for f, v in s["top_leaves_pct"].items()))
+            print(f"\n{k}: {s['samples']} samples, {s['waiting_pct']}% waiting\n  buckets: {s['buckets_pct_of_busy']}"
+                  f"\n  threads: {s['threads_pct_of_busy']}\n  top leaves:\n    "
+                  + "\n    ".join(f"{v:5.1f}% {f[:150]}" for f, v in s["top_leaves_pct_of_busy"].items()))
         path = write_json("overhead_profile", {"cpus": os.cpu_count(), **p})
         print(f"wrote {path}")
         return 0
@@ -578,7 +621,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     for name in args.configs.split(","):
         t = time.monotonic()
-        res[name] = engine_rows(reps) if name == "engine" else http_rows(name, reps)
+        try:
+            res[name] = engine_rows(reps) if name == "engine" else http_rows(name, reps)
+        except Exception as e:  # noqa: BLE001 - the other configs' rows still count
+            print(f"[{name}: failed: {e!r}"[:2000] + "]", file=sys.stderr, flush=True)
+            continue
         print(f"[{name}: {time.monotonic() - t:.0f}s]", file=sys.stderr, flush=True)
     print(report(res))
     print(f"\n(all in {time.monotonic() - t0:.0f}s; load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus)")

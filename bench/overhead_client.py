@@ -13,8 +13,9 @@ Commands (``op``):
                carrying an output token) and latency.
   ``slow``     {"prompts", "max_new", "slow_prompt", "slow_max_new", "slow_delay"}: ``streams`` of
                ``prompts`` beside one more stream (when ``slow_prompt`` is set) whose reader reads
-               nothing for ``slow_delay`` seconds, then everything; the others' latencies and whether
-               the slow one got all its tokens.
+               nothing for ``slow_delay`` seconds, then everything (its own socket, a 4 KB receive
+               buffer: the server's writes block as they would to a slow client on a real network); the
+               others' latencies and whether the slow one got all its tokens.
   ``quit``.
 """
 from __future__ import annotations
@@ -23,8 +24,10 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import sys
 import time
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -74,6 +77,44 @@ class Client:
                 n = max(n, k)
         return {"ttft": ttft, "latency": time.perf_counter() - t, "tokens": n}
 
+    async def raw_stream(self, ids: list[int], max_new: int, delay: float, rcvbuf: int = 4096) -> dict:
+        """One streamed request on its own socket with a small receive buffer (and asyncio's buffer kept
+        small too), so that a reader that waits makes the server's writes block within a few KB, as a
+        slow client on a real network would; reads nothing for ``delay`` s, then everything."""
+        u = urlsplit(self.url)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.setblocking(False)
+        t = time.perf_counter()
+        await asyncio.get_running_loop().sock_connect(sock, (u.hostname, u.port))
+        reader, writer = await asyncio.open_connection(sock=sock, limit=1024)
+        body = json.dumps(_body(ids, max_new, True)).encode()
+        writer.write(b"POST /generate HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Connection: close\r\nContent-Length: %d\r\n\r\n" % (u.netloc.encode(), len(body)) + body)
+        await writer.drain()
+        await asyncio.sleep(delay)
+        data = bytearray()
+        while chunk := await reader.read(1 << 16):
+            data += chunk
+        writer.close()
+        head, _, rest = bytes(data).partition(b"\r\n\r\n")
+        if b"chunked" in head.lower():
+            out, i = bytearray(), 0
+            while i < len(rest):
+                j = rest.index(b"\r\n", i)
+                size = int(rest[i:j].split(b";")[0], 16)
+                if size == 0:
+                    break
+                out += rest[j + 2:j + 2 + size]
+                i = j + 2 + size + 2
+            rest = bytes(out)
+        n = 0
+        for line in rest.decode(errors="replace").splitlines():
+            if line.startswith("data:") and line.strip() != "data: [DONE]":
+                n = max(n, len(json.loads(line[5:]).get("output_ids") or ()))
+        return {"ttft": None, "latency": time.perf_counter() - t, "tokens": n,
+                "status": head.split(b"\r\n", 1)[0].decode(errors="replace"), "bytes": len(data)}
+
     async def run(self, cmd: dict) -> dict:
         op = cmd["op"]
         if op == "models":
@@ -99,7 +140,7 @@ class Client:
             tasks = [self.stream(p, cmd["max_new"]) for p in cmd["prompts"]]
             slow = None
             if cmd.get("slow_prompt"):
-                slow = asyncio.ensure_future(self.stream(cmd["slow_prompt"], cmd["slow_max_new"], cmd["slow_delay"]))
+                slow = asyncio.ensure_future(self.raw_stream(cmd["slow_prompt"], cmd["slow_max_new"], cmd["slow_delay"]))
                 await asyncio.sleep(0.05)   # the slow stream is running (and its buffers filling) first
             t = time.perf_counter()
             res = await asyncio.gather(*tasks)

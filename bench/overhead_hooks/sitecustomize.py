@@ -1,5 +1,6 @@
 """bench/overhead.py --profile only: put on PYTHONPATH of the server it starts, this counts every Ray
-actor-method call each Python process makes (``ActorMethod._remote``, by method name) and writes the
+actor-method call each Python process makes (``ActorMethod._remote``, by method name) and every
+streamed item it receives (``ObjectRefGenerator._next_async``) and writes the
 counts to $STRATA_OVERHEAD_CALLS/<pid>.json once a second. Production code never imports it."""
 import os
 
@@ -26,6 +27,17 @@ def _install() -> None:
             counts[getattr(self, "_method_name", "?")] += 1
             return orig(self, *a, **kw)
         am._remote = counted
+        # Items a streaming call delivers to this process (one Ray object each), by the caller's side.
+        while "ray._private.object_ref_generator" not in sys.modules:
+            time.sleep(0.2)
+        gen = sys.modules["ray._private.object_ref_generator"].ObjectRefGenerator
+        orig_next = gen._next_async
+
+        async def counted_next(self, *a, **kw):
+            ref = await orig_next(self, *a, **kw)
+            counts["<stream item>"] += 1
+            return ref
+        gen._next_async = counted_next
         path = os.path.join(_DIR, f"{os.getpid()}.json")
         while True:
             time.sleep(1.0)
