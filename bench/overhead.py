@@ -6,6 +6,7 @@ the cores).
 
     python -m bench.overhead [--quick] [--configs engine,colocated,1p1d,2p1d] [--label now]
     python -m bench.overhead --profile [--profile-seconds 20]     # py-spy + Ray call counts, colocated
+    python -m bench.overhead --hops [--quick] [--configs colocated-l1]   # each hop's round trip, from a Ray driver
 
 Every HTTP row uses one out-of-process load generator (bench/overhead_client.py): /generate with
 ``input_ids``, greedy, ``ignore_eos``. Each server is ``python -m cluster.cli serve`` on a fresh local
@@ -31,6 +32,13 @@ Findings (2 cores shared with other jobs: timings noisy; details in overhead_pro
   ASGI receive proxy (~12%), starlette/fastapi incl. a BaseHTTPMiddleware (`_json_bodies`, ~11%),
   strata's own front ~8%, pydantic ~3%; worker = engine thread ~50% (model ~31%), L2/L3 write-through
   ~12-25%, pickling stream items ~9%; router = mostly the KV-event catch-up and reports, route ~3%.
+- Hop by hop (--hops, colocated, one request at a time): bare actor call 0.8 ms, router.route 1.1-1.4,
+  the worker's stream alone (driver -> worker, cached 512 prompt, 1 new) 7 ms against the engine's 2.2,
+  GET /v1/models (proxy + replica + FastAPI, no backend) 5.5-9, HTTP /generate 19-22: so ~6 ms is the
+  HTTP front's floor, ~5 the worker's path beyond its engine, ~1 the router, ~6 the ingress's /generate
+  handling. 64 tokens: worker stream alone 0.15-0.2 s vs engine 0.093, HTTP 0.19-0.23: the per-token
+  cost sits in the worker (~1 ms/token: its engine thread runs beside the actor's asyncio thread, the
+  report thread, the copier and Ray's threads, one pickled Ray object per token), not in the HTTP path.
 - A slow reader (4 KB socket buffer, 3 s late, ~1 MB of SSE) does not hold others back: its output is
   buffered by the stack (unbounded, per client) and the others' latency matches the prompt-reader case.
 """
@@ -389,6 +397,76 @@ def _http_rows(srv: Server, reps: dict) -> dict:
     return out
 
 
+# ---- hop by hop (colocated, one request at a time) -----------------------------------------------------
+def hops(n: int, name: str = "colocated") -> dict:
+    """Round trips of each hop of the colocated path, timed from a Ray driver beside the cluster (sequential,
+    ``n`` each): a bare actor call (worker.ping), the router's route, the worker's stream alone (first item
+    of a cached 512-token prompt; 64 tokens), and over HTTP /v1/models (proxy + replica + FastAPI, no
+    backend), /generate of 1 and of 64 tokens. The differences name what each layer adds."""
+    import asyncio
+    import httpx
+    from cluster.launch import set_ray_env
+    set_ray_env()
+    import ray
+    from actors.routing import prompt_blocks
+    from engine.sampling import SamplingParams
+    srv = Server(name)
+    try:
+        gcs = next(ln.split("Ray at ")[1].split()[0] for ln in srv.lines if "strata: Ray at " in ln)
+        ray.init(address=gcs, namespace="strata", log_to_driver=False)
+        worker = ray.get_actor("strata-colocated-0", namespace="strata")
+        router = ray.get_actor(next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                                    if "router" in a["name"]), namespace="strata")
+        long = prompts(1, LONG, 1)[0]
+        geometry, rcfg = ray.get(router.geometry.remote()), ray.get(router.config.remote())
+        keys = prompt_blocks(long, geometry, rcfg)
+        sp = lambda k: SamplingParams(max_new_tokens=k, temperature=0.0, ignore_eos=True)  # noqa: E731
+
+        async def run() -> dict:
+            out: dict = {}
+
+            async def timed(name, fn, k=n, scale=1000.0):
+                for _ in range(3):
+                    await fn()
+                lat = []
+                for _ in range(k):
+                    t = time.perf_counter()
+                    await fn()
+                    lat.append(time.perf_counter() - t)
+                out[name] = dist(lat, scale)
+
+            async def first(k):
+                gen = worker.generate.remote(long, sp(k))
+                items = 0
+                async for ref in gen:
+                    item = await ref
+                    items += len(item.token_ids)
+                    if k == 1 or item.finished:
+                        break
+                return items
+
+            async with httpx.AsyncClient(timeout=60) as http:
+                async def gen_http(k):
+                    r = await http.post(f"{srv.url}/generate", json={
+                        "input_ids": long, "sampling_params": {"max_new_tokens": k, "temperature": 0.0,
+                                                               "ignore_eos": True}})
+                    r.raise_for_status()
+                await timed("worker.ping (bare actor call)", lambda: worker.ping.remote())
+                await timed("router.route (512-token keys)", lambda: router.route.remote(keys, len(long), []))
+                await timed("worker.generate stream, 1 new (cached 512)", lambda: first(1))
+                await timed("HTTP GET /v1/models", lambda: http.get(f"{srv.url}/v1/models"))
+                await timed("HTTP /generate, 1 new (cached 512)", lambda: gen_http(1))
+                await timed("worker.generate stream, 64 new", lambda: first(64), max(3, n // 10), 1.0)
+                await timed("HTTP /generate, 64 new", lambda: gen_http(64), max(3, n // 10), 1.0)
+            return out
+        return asyncio.run(run())
+    finally:
+        try:
+            ray.shutdown()
+        finally:
+            srv.stop()
+
+
 # ---- the profile (colocated, short requests) -----------------------------------------------------------
 def profile(seconds: float, rate: int, native: bool = True) -> dict:
     import shutil
@@ -600,11 +678,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label", default=None, help="the JSON key of this run (default: quick or full)")
     ap.add_argument("--profile", action="store_true", help="py-spy and Ray call counts, colocated short requests")
     ap.add_argument("--profile-seconds", type=float, default=20.0)
+    ap.add_argument("--hops", action="store_true", help="round trips hop by hop (colocated), from a Ray driver")
     ap.add_argument("--profile-rate", type=int, default=100)
     ap.add_argument("--profile-native", action="store_true",
                     help="py-spy with native frames (pauses the targets at each sample); default: only the "
                          "thread holding the GIL, Python frames, --nonblocking")
     args = ap.parse_args(argv)
+    if args.hops:
+        name = args.configs if args.configs in ("colocated", "colocated-l1") else "colocated"
+        h = hops(20 if args.quick else 60, name)
+        eng = engine_rows({**REPS["quick"], "short": 1, "streams": 1})
+        rows = [{"hop": k, "p50": v["p50"], "p90": v["p90"], "unit": "s" if "64" in k else "ms"} for k, v in h.items()]
+        rows += [{"hop": "engine alone, 1 new (cached 512)", "p50": eng["ttft_cached"]["p50"],
+                  "p90": eng["ttft_cached"]["p90"], "unit": "ms"},
+                 {"hop": "engine alone, 64 new", "p50": eng["long64"]["p50"], "p90": eng["long64"]["p90"], "unit": "s"}]
+        print(table(rows, ["hop", "p50", "p90", "unit"]))
+        path = ROOT / "bench" / "results" / "overhead.json"
+        prior = {k: v for k, v in json.loads(path.read_text()).items() if k != "machine"} if path.exists() else {}
+        prior[f"hops_{name}"] = {"load_avg_after": os.getloadavg(), "rows": rows}
+        write_json("overhead", prior)
+        print(f"wrote {path}")
+        return 0
     if args.profile:
         p = profile(args.profile_seconds, args.profile_rate, args.profile_native)
         print(json.dumps({k: v for k, v in p.items() if k != "py_spy"}, indent=1))
