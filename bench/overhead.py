@@ -37,8 +37,10 @@ Findings (2 cores shared with other jobs: timings noisy; details in overhead_pro
   GET /v1/models (proxy + replica + FastAPI, no backend) 5.5-9, HTTP /generate 19-22: so ~6 ms is the
   HTTP front's floor, ~5 the worker's path beyond its engine, ~1 the router, ~6 the ingress's /generate
   handling. 64 tokens: worker stream alone 0.15-0.2 s vs engine 0.093, HTTP 0.19-0.23: the per-token
-  cost sits in the worker (~1 ms/token: its engine thread runs beside the actor's asyncio thread, the
-  report thread, the copier and Ray's threads, one pickled Ray object per token), not in the HTTP path.
+  cost sits in the worker (~1 ms/token: its engine thread shares the GIL and 2 busy cores with the actor's
+  asyncio thread, Ray's executor thread that pickles each streamed item, the report thread and Ray's C++
+  threads: 4 thread hand-offs per token before the item leaves), not in the HTTP path. Neither the host/L3
+  tiers (colocated-l1) nor a 0.5 ms GIL switch interval (--switch-interval) moved it beyond the noise.
 - A slow reader (4 KB socket buffer, 3 s late, ~1 MB of SSE) does not hold others back: its output is
   buffered by the stack (unbounded, per client) and the others' latency matches the prompt-reader case.
 """
@@ -251,7 +253,8 @@ def free_port() -> int:
 class Server:
     """``strata serve`` on a fresh local Ray cluster, and the load generator beside it."""
 
-    def __init__(self, name: str, timeout: float = 300.0, calls_dir: str | None = None) -> None:
+    def __init__(self, name: str, timeout: float = 300.0, calls_dir: str | None = None,
+                 switch_interval: float | None = None) -> None:
         self.name = name
         self.home = tempfile.mkdtemp(prefix="sov")   # short: Ray's socket paths must fit 107 bytes
         cfg = yaml.safe_load((ROOT / "cluster" / "configs" / "default.yaml").read_text())
@@ -265,6 +268,9 @@ class Server:
                "PYTHONUNBUFFERED": "1"}
         if calls_dir:
             env["STRATA_OVERHEAD_CALLS"] = calls_dir
+        if switch_interval:
+            env["STRATA_OVERHEAD_SWITCH_INTERVAL"] = str(switch_interval)
+        if calls_dir or switch_interval:
             env["PYTHONPATH"] = os.pathsep.join([str(HOOKS), str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         os.makedirs(env["RAY_TMPDIR"], exist_ok=True)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -398,7 +404,7 @@ def _http_rows(srv: Server, reps: dict) -> dict:
 
 
 # ---- hop by hop (colocated, one request at a time) -----------------------------------------------------
-def hops(n: int, name: str = "colocated") -> dict:
+def hops(n: int, name: str = "colocated", switch_interval: float | None = None) -> dict:
     """Round trips of each hop of the colocated path, timed from a Ray driver beside the cluster (sequential,
     ``n`` each): a bare actor call (worker.ping), the router's route, the worker's stream alone (first item
     of a cached 512-token prompt; 64 tokens), and over HTTP /v1/models (proxy + replica + FastAPI, no
@@ -410,7 +416,7 @@ def hops(n: int, name: str = "colocated") -> dict:
     import ray
     from actors.routing import prompt_blocks
     from engine.sampling import SamplingParams
-    srv = Server(name)
+    srv = Server(name, switch_interval=switch_interval)
     try:
         gcs = next(ln.split("Ray at ")[1].split()[0] for ln in srv.lines if "strata: Ray at " in ln)
         ray.init(address=gcs, namespace="strata", log_to_driver=False)
@@ -679,6 +685,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="py-spy and Ray call counts, colocated short requests")
     ap.add_argument("--profile-seconds", type=float, default=20.0)
     ap.add_argument("--hops", action="store_true", help="round trips hop by hop (colocated), from a Ray driver")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="--hops: set the server processes' GIL switch interval (s) through the bench's hook")
     ap.add_argument("--profile-rate", type=int, default=100)
     ap.add_argument("--profile-native", action="store_true",
                     help="py-spy with native frames (pauses the targets at each sample); default: only the "
@@ -686,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.hops:
         name = args.configs if args.configs in ("colocated", "colocated-l1") else "colocated"
-        h = hops(20 if args.quick else 60, name)
+        h = hops(20 if args.quick else 60, name, args.switch_interval)
         eng = engine_rows({**REPS["quick"], "short": 1, "streams": 1})
         rows = [{"hop": k, "p50": v["p50"], "p90": v["p90"], "unit": "s" if "64" in k else "ms"} for k, v in h.items()]
         rows += [{"hop": "engine alone, 1 new (cached 512)", "p50": eng["ttft_cached"]["p50"],
@@ -695,7 +703,8 @@ def main(argv: list[str] | None = None) -> int:
         print(table(rows, ["hop", "p50", "p90", "unit"]))
         path = ROOT / "bench" / "results" / "overhead.json"
         prior = {k: v for k, v in json.loads(path.read_text()).items() if k != "machine"} if path.exists() else {}
-        prior[f"hops_{name}"] = {"load_avg_after": os.getloadavg(), "rows": rows}
+        key = f"hops_{name}" + (f"_switch_{args.switch_interval:g}" if args.switch_interval else "")
+        prior[key] = {"load_avg_after": os.getloadavg(), "rows": rows}
         write_json("overhead", prior)
         print(f"wrote {path}")
         return 0

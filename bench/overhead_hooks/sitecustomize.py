@@ -1,7 +1,8 @@
 """bench/overhead.py --profile only: put on PYTHONPATH of the server it starts, this counts every Ray
 actor-method call each Python process makes (``ActorMethod._remote``, by method name) and every
 streamed item it receives (``ObjectRefGenerator._next_async``) and writes the
-counts to $STRATA_OVERHEAD_CALLS/<pid>.json once a second. Production code never imports it."""
+counts to $STRATA_OVERHEAD_CALLS/<pid>.json once a second; with --hops --switch-interval it sets the GIL's
+switch interval. Production code never imports it."""
 import os
 
 _DIR = os.environ.get("STRATA_OVERHEAD_CALLS")
@@ -54,3 +55,8 @@ def _install() -> None:
 
 if _DIR:
     _install()
+# An experiment of --hops --switch-interval: the GIL's switch interval of every Python process of the server
+# (CPython's default 5 ms; a thread waiting for the GIL asks for it after that long).
+if os.environ.get("STRATA_OVERHEAD_SWITCH_INTERVAL"):
+    import sys as _sys
+    _sys.setswitchinterval(float(os.environ["STRATA_OVERHEAD_SWITCH_INTERVAL"]))
