@@ -336,6 +336,8 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        import shutil
+        shutil.rmtree(self.home, ignore_errors=True)   # Ray's session files and the L3 store's pages
 
 
 def _sum_cpu(parts: list[dict]) -> dict:
