@@ -5,7 +5,7 @@ process kind spends (proxy, ingress, router, workers, Ray's own, and the load ge
 the cores).
 
     python -m bench.overhead [--quick] [--configs engine,colocated,1p1d,2p1d] [--label now]
-    python -m bench.overhead --profile [--profile-seconds 20]     # py-spy + Ray call counts, colocated
+    python -m bench.overhead --profile [--configs 1p1d] [--profile-seconds 20]   # py-spy + Ray calls per request
     python -m bench.overhead --hops [--quick] [--configs colocated-l1]   # each hop's round trip, from a Ray driver
 
 Every HTTP row uses one out-of-process load generator (bench/overhead_client.py): /generate with
@@ -41,6 +41,10 @@ Findings (2 cores shared with other jobs: timings noisy; details in overhead_pro
   asyncio thread, Ray's executor thread that pickles each streamed item, the report thread and Ray's C++
   threads: 4 thread hand-offs per token before the item leaves), not in the HTTP path. Neither the host/L3
   tiers (colocated-l1) nor a 0.5 ms GIL switch interval (--switch-interval) moved it beyond the noise.
+- 1P+1D (--profile --configs 1p1d): the ingress makes 4 calls (route, reserve, prefill_to, decode_leased)
+  besides Serve's; the worker CPU per short request doubles (~21-23 ms): the L3 file writes (a thread-pool
+  submit per page, ~17% of the workers' GIL time) and the actor handles sent with every reserve/prefill_to
+  (deserialized per request) show up beside the two engines.
 - A slow reader (4 KB socket buffer, 3 s late, ~1 MB of SSE) does not hold others back: its output is
   buffered by the stack (unbounded, per client) and the others' latency matches the prompt-reader case.
 """
@@ -476,11 +480,11 @@ def hops(n: int, name: str = "colocated", switch_interval: float | None = None) 
 
 
 # ---- the profile (colocated, short requests) -----------------------------------------------------------
-def profile(seconds: float, rate: int, native: bool = True) -> dict:
+def profile(seconds: float, rate: int, native: bool = True, name: str = "colocated") -> dict:
     import shutil
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     calls = tempfile.mkdtemp(prefix="strata-overhead-calls-")
-    srv = Server("colocated", calls_dir=calls)
+    srv = Server(name, calls_dir=calls)
     try:
         srv.ask({"op": "requests", "prompts": prompts(64, SHORT, 99), "max_new": SHORT_NEW, "concurrency": 16})
         # Ray calls per request: counts before and after a measured batch, per process kind.
@@ -711,13 +715,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {path}")
         return 0
     if args.profile:
-        p = profile(args.profile_seconds, args.profile_rate, args.profile_native)
+        name = args.configs if args.configs in CONFIGS else "colocated"
+        p = profile(args.profile_seconds, args.profile_rate, args.profile_native, name)
         print(json.dumps({k: v for k, v in p.items() if k != "py_spy"}, indent=1))
         for k, s in p["py_spy"].items():
             print(f"\n{k}: {s['samples']} samples, {s['waiting_pct']}% waiting\n  buckets: {s['buckets_pct_of_busy']}"
                   f"\n  threads: {s['threads_pct_of_busy']}\n  top leaves:\n    "
                   + "\n    ".join(f"{v:5.1f}% {f[:150]}" for f, v in s["top_leaves_pct_of_busy"].items()))
-        path = write_json("overhead_profile", {"cpus": os.cpu_count(), **p})
+        path = ROOT / "bench" / "results" / "overhead_profile.json"
+        prior = {k: v for k, v in json.loads(path.read_text()).items() if k != "machine"} if path.exists() else {}
+        prior[name] = {"cpus": os.cpu_count(), **p}
+        write_json("overhead_profile", prior)
         print(f"wrote {path}")
         return 0
     reps = REPS["quick" if args.quick else "full"]
