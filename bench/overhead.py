@@ -1,0 +1,757 @@
+"""What the serving stack costs beside the engine (issue #37): the same requests through one in-process
+``Engine`` (the server's engine settings) and through ``strata serve`` over HTTP, colocated (1 worker),
+default 1P+1D and 2P+1D with prefix routing, with p50/p90/p99 and the CPU seconds per request that each
+process kind spends (proxy, ingress, router, workers, Ray's own, and the load generator, which shares
+the cores).
+
+    python -m bench.overhead [--quick] [--configs engine,colocated,1p1d,2p1d] [--label now]
+    python -m bench.overhead --profile [--configs 1p1d] [--profile-seconds 20]   # py-spy + Ray calls per request
+    python -m bench.overhead --hops [--quick] [--configs colocated-l1]   # each hop's round trip, from a Ray driver
+
+Every HTTP row uses one out-of-process load generator (bench/overhead_client.py): /generate with
+``input_ids``, greedy, ``ignore_eos``. Each server is ``python -m cluster.cli serve`` on a fresh local
+Ray cluster (own STRATA_HOME, free port); its processes' CPU times come from /proc/<pid>/stat
+(utime+stime) of every descendant before and after each phase, named by their Ray process titles
+(ray::ProxyActor, ray::ServeReplica:...:ingress, ray::PrefixRouterActor, ray::WorkerActor, ...).
+Short requests over HTTP run closed-loop, 16 in flight; the engine runs them as 4 waves of 16 (and one
+batch of 64). Writes bench/results/overhead.json (``--profile``: overhead_profile.json).
+
+Findings (2 cores shared with other jobs: timings noisy; details in overhead_profile.json):
+- The cluster is CPU-bound, not wait-bound: a short request (32 tokens, 8 new) costs ~29-35 ms of CPU in
+  all (colocated; 1P+1D ~44) against ~2.8 ms in the engine alone, on 2 cores; so ~55 req/s at best.
+- Per short request, colocated: proxy ~4.5 ms, ingress ~8.5, router ~1.3, worker ~11.5 (the engine's own
+  part ~3), Ray's daemons ~1, load generator ~1.8. HiCache write-through of every new prompt (L2 + file
+  L3) adds ~0-5 ms in the worker and ~1-2 ms in the storage actor (the colocated-l1 config leaves it out).
+- Ray messages per request: proxy -> replica 1 call, replica -> proxy 2 calls (receive_asgi_messages:
+  the body, then the disconnect watch), ingress -> router 1 (route), ingress -> worker 1 (generate); then
+  one streamed Ray object per token worker -> ingress, and ingress -> proxy one per response chunk
+  (2.3 for a non-streamed request, 18.4 for a 16-token stream). Per token: 1 (non-streamed) or 2 (SSE)
+  Ray objects, each pickled.
+- Python on CPU (py-spy --gil): proxy = Serve's router/replica-result plumbing + uvicorn + its access
+  log; ingress = Ray actor calls/serialization (~27%), asyncio (~20%), Serve's replica wrapper and
+  ASGI receive proxy (~12%), starlette/fastapi incl. a BaseHTTPMiddleware (`_json_bodies`, ~11%),
+  strata's own front ~8%, pydantic ~3%; worker = engine thread ~50% (model ~31%), L2/L3 write-through
+  ~12-25%, pickling stream items ~9%; router = mostly the KV-event catch-up and reports, route ~3%.
+- Hop by hop (--hops, colocated, one request at a time): bare actor call 0.8 ms, router.route 1.1-1.4,
+  the worker's stream alone (driver -> worker, cached 512 prompt, 1 new) 7 ms against the engine's 2.2,
+  GET /v1/models (proxy + replica + FastAPI, no backend) 5.5-9, HTTP /generate 19-22: so ~6 ms is the
+  HTTP front's floor, ~5 the worker's path beyond its engine, ~1 the router, ~6 the ingress's /generate
+  handling. 64 tokens: worker stream alone 0.15-0.2 s vs engine 0.093, HTTP 0.19-0.23: the per-token
+  cost sits in the worker (~1 ms/token: its engine thread shares the GIL and 2 busy cores with the actor's
+  asyncio thread, Ray's executor thread that pickles each streamed item, the report thread and Ray's C++
+  threads: 4 thread hand-offs per token before the item leaves), not in the HTTP path. Neither the host/L3
+  tiers (colocated-l1) nor a 0.5 ms GIL switch interval (--switch-interval) moved it beyond the noise.
+- 1P+1D (--profile --configs 1p1d): the ingress makes 4 calls (route, reserve, prefill_to, decode_leased)
+  besides Serve's; the worker CPU per short request doubles (~21-23 ms): the L3 file writes (a thread-pool
+  submit per page, ~17% of the workers' GIL time) and the actor handles sent with every reserve/prefill_to
+  (deserialized per request) show up beside the two engines.
+- A slow reader (4 KB socket buffer, 3 s late, ~1 MB of SSE) does not hold others back: its output is
+  buffered by the stack (unbounded, per client) and the others' latency matches the prompt-reader case.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+from bench.common import table, write_json
+
+ROOT = Path(__file__).resolve().parent.parent
+HOOKS = Path(__file__).resolve().parent / "overhead_hooks"
+CLK = os.sysconf("SC_CLK_TCK")
+LONG, SHORT, SHORT_NEW, LONG_NEW, STREAM_NEW = 512, 32, 8, 64, 16
+CONFIGS = {   # overrides of cluster/configs/default.yaml (the engine settings stay the default's)
+    "colocated": {"workers": {"colocated": 1, "prefill": 0, "decode": 0}},
+    "1p1d": {},
+    "2p1d": {"workers": {"prefill": 2, "decode": 1}, "router": {"policy": "prefix"}},
+    # Not in the default run: colocated without the host/L3 tiers, as the engine-alone row runs (so the
+    # difference to "colocated" is what L2/L3 write-through of every new prompt costs the worker).
+    "colocated-l1": {"workers": {"colocated": 1, "prefill": 0, "decode": 0}, "engine": {"hicache": None}},
+}
+# The server's engine settings (cluster/configs/default.yaml) without its host/L3 tiers.
+ENGINE = dict(page_size=16, num_pages=2048, max_batch_tokens=512, max_running_requests=64, torch_threads=1,
+              enable_prefix_cache=True, swa_full_ratio=0.5)
+KINDS = ("proxy", "ingress", "router", "workers", "storage", "serve_controller", "ray_system", "launcher",
+         "client")
+REPS = {  # (ttft n, 64-token n, short runs, /v1/models n, 64-stream runs, slow runs, idle s)
+    "quick": dict(ttft=20, long=4, short=1, models=40, streams=1, slow=1, idle=2.0),
+    "full": dict(ttft=100, long=15, short=3, models=200, streams=3, slow=2, idle=5.0),
+}
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    import random
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 250) for _ in range(length)] for _ in range(n)]
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    k = (len(s) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def dist(xs: list[float], scale: float = 1000.0) -> dict:
+    """p50/p90/p99/mean (x ``scale``: ms by default) and n."""
+    return {"p50": pct(xs, 50) * scale, "p90": pct(xs, 90) * scale, "p99": pct(xs, 99) * scale,
+            "mean": statistics.fmean(xs) * scale if xs else float("nan"), "n": len(xs)}
+
+
+# ---- the engine alone ----------------------------------------------------------------------------------
+def engine_rows(reps: dict) -> dict:
+    import torch  # noqa: F401 - the engine's
+    from engine import Engine, SamplingParams
+    eng = Engine.from_pretrained("strata-tiny", **ENGINE)
+    long = prompts(1, LONG, 1)[0]
+    one = SamplingParams(max_new_tokens=1, ignore_eos=True, temperature=0.0)
+    sp = lambda n: SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=0.0)  # noqa: E731
+    for _ in range(3):
+        eng.generate(long, one)
+    eng.generate(prompts(16, SHORT, 99), sp(SHORT_NEW))
+    out: dict = {}
+
+    def timed(fn, n):
+        lat, c0 = [], time.process_time()
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            lat.append(time.perf_counter() - t)
+        return lat, (time.process_time() - c0) / n
+
+    lat, cpu = timed(lambda: eng.generate(long, one), reps["ttft"])
+    out["ttft_cached"] = {**dist(lat), "cpu_ms_per_req": cpu * 1000}
+    lat, cpu = timed(lambda: eng.generate(long, sp(LONG_NEW)), reps["long"])
+    out["long64"] = {**dist(lat, 1.0), "cpu_s_per_req": cpu}
+    waves, batch = [], []
+    for r in range(reps["short"]):
+        ps = prompts(64, SHORT, 1000 + r)
+        t = time.perf_counter()
+        for w in range(4):
+            eng.generate(ps[16 * w:16 * (w + 1)], sp(SHORT_NEW))
+        waves.append(64 / (time.perf_counter() - t))
+        ps = prompts(64, SHORT, 2000 + r)
+        t = time.perf_counter()
+        eng.generate(ps, sp(SHORT_NEW))
+        batch.append(64 / (time.perf_counter() - t))
+    out["short"] = {"req_s": statistics.median(waves), "runs": waves}
+    out["short_batch64"] = {"req_s": statistics.median(batch), "runs": batch}
+    ttfts = []
+    for r in range(reps["streams"]):
+        ps = prompts(64, SHORT, 3000 + r)
+        t = time.perf_counter()
+        rids = [eng.add_request(p, sp(STREAM_NEW)) for p in ps]
+        first: dict[str, float] = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.new_token_ids and o.rid not in first:
+                    first[o.rid] = time.perf_counter() - t
+        ttfts += [first[r_] for r_ in rids]
+        for r_ in rids:
+            eng.pop_finished(r_)
+    out["streams64"] = {"ttft": dist(ttfts)}
+    eng.close()
+    return out
+
+
+# ---- processes and their CPU times ---------------------------------------------------------------------
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(ppid, utime+stime seconds) of ``pid``, None if gone."""
+    try:
+        s = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    f = s[s.rindex(")") + 2:].split()
+    return int(f[1]), (int(f[11]) + int(f[12])) / CLK
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def kind_of(cmd: str) -> str:
+    if "ray::ProxyActor" in cmd:
+        return "proxy"
+    if "ray::ServeReplica" in cmd:
+        return "ingress"
+    if "ray::PrefixRouterActor" in cmd:
+        return "router"
+    if "ray::WorkerActor" in cmd:
+        return "workers"
+    if "ray::StorageActor" in cmd:
+        return "storage"
+    if "ray::ServeController" in cmd:
+        return "serve_controller"
+    if "cluster.cli" in cmd:
+        return "launcher"
+    return "ray_system"   # gcs_server, raylet, agents, idle workers, log monitor
+
+
+def descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            st = _stat(int(d))
+            if st is not None:
+                children.setdefault(st[0], []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+class CpuMeter:
+    """CPU seconds of every process under the server's launcher, and of the load generator, per kind."""
+
+    def __init__(self, server_pid: int, client_pid: int) -> None:
+        self.server_pid, self.client_pid = server_pid, client_pid
+        self.kinds: dict[int, str] = {}
+
+    def sample(self) -> dict[int, float]:
+        out = {}
+        for pid in descendants(self.server_pid) + [self.client_pid]:
+            st = _stat(pid)
+            if st is None:
+                continue
+            if pid not in self.kinds or self.kinds[pid] == "ray_system":   # an idle worker may become an actor
+                self.kinds[pid] = "client" if pid == self.client_pid else kind_of(_cmdline(pid))
+            out[pid] = st[1]
+        return out
+
+    def delta(self, before: dict[int, float], after: dict[int, float]) -> dict[str, float]:
+        by = {k: 0.0 for k in KINDS}
+        for pid, c in after.items():
+            by[self.kinds.get(pid, "ray_system")] += c - before.get(pid, 0.0)
+        return by
+
+    def pids(self, kind: str) -> list[int]:
+        self.sample()
+        return [p for p, k in self.kinds.items() if k == kind and _stat(p) is not None]
+
+
+# ---- one server ----------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``strata serve`` on a fresh local Ray cluster, and the load generator beside it."""
+
+    def __init__(self, name: str, timeout: float = 300.0, calls_dir: str | None = None,
+                 switch_interval: float | None = None) -> None:
+        self.name = name
+        self.home = tempfile.mkdtemp(prefix="sov")   # short: Ray's socket paths must fit 107 bytes
+        cfg = yaml.safe_load((ROOT / "cluster" / "configs" / "default.yaml").read_text())
+        for section, over in CONFIGS[name].items():
+            cfg.setdefault(section, {}).update(over)
+        self.port = free_port()
+        cfg["server"]["port"] = self.port
+        path = os.path.join(self.home, "cluster.yaml")
+        Path(path).write_text(yaml.safe_dump(cfg))
+        env = {**os.environ, "STRATA_HOME": self.home, "RAY_TMPDIR": os.path.join(self.home, "r"),
+               "PYTHONUNBUFFERED": "1"}
+        if calls_dir:
+            env["STRATA_OVERHEAD_CALLS"] = calls_dir
+        if switch_interval:
+            env["STRATA_OVERHEAD_SWITCH_INTERVAL"] = str(switch_interval)
+        if calls_dir or switch_interval:
+            env["PYTHONPATH"] = os.pathsep.join([str(HOOKS), str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        os.makedirs(env["RAY_TMPDIR"], exist_ok=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.lines: list[str] = []
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--config", path], cwd=ROOT,
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")), daemon=True).start()
+        self.client = None
+        try:
+            self._wait_healthy(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_s = time.monotonic() - t0
+        self.client = subprocess.Popen([sys.executable, "-m", "bench.overhead_client", "--url", self.url], cwd=ROOT,
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.meter = CpuMeter(self.proc.pid, self.client.pid)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        import httpx
+        t0 = time.monotonic()
+        with httpx.Client(timeout=5) as c:
+            while time.monotonic() - t0 < timeout:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name}: strata serve exited:\n" + "".join(self.lines[-30:]))
+                try:
+                    if c.get(f"{self.url}/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.25)
+        raise TimeoutError(f"{self.name}: not healthy in {timeout:.0f}s:\n" + "".join(self.lines[-30:]))
+
+    def ask(self, cmd: dict) -> dict:
+        self.client.stdin.write(json.dumps(cmd) + "\n")
+        self.client.stdin.flush()
+        out = json.loads(self.client.stdout.readline())
+        if not out.get("ok"):
+            raise RuntimeError(f"{self.name}: {cmd['op']} failed: {out.get('error')}")
+        return out
+
+    def phase(self, cmd: dict, requests: int) -> tuple[dict, dict]:
+        """Run ``cmd``; returns (its answer, CPU ms per request by process kind)."""
+        before = self.meter.sample()
+        out = self.ask(cmd)
+        cpu = self.meter.delta(before, self.meter.sample())
+        return out, {k: v * 1000 / requests for k, v in cpu.items()}
+
+    def stop(self) -> None:
+        if self.client is not None and self.client.poll() is None:
+            try:
+                self.client.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.client.stdin.flush()
+                self.client.wait(10)
+            except Exception:  # noqa: BLE001
+                self.client.kill()
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        import shutil
+        shutil.rmtree(self.home, ignore_errors=True)   # Ray's session files and the L3 store's pages
+
+
+def _sum_cpu(parts: list[dict]) -> dict:
+    return {k: statistics.fmean(p[k] for p in parts) for k in parts[0]}
+
+
+def http_rows(name: str, reps: dict) -> dict:
+    srv = Server(name)
+    try:
+        return _http_rows(srv, reps)
+    finally:
+        srv.stop()
+
+
+def _http_rows(srv: Server, reps: dict) -> dict:
+    long = prompts(1, LONG, 1)[0]
+    out: dict = {"start_s": srv.start_s}
+    # Warm-up: the prompt cached (everywhere it goes), every path taken once.
+    srv.ask({"op": "requests", "prompts": [long] * 3, "max_new": 1, "concurrency": 1})
+    srv.ask({"op": "requests", "prompts": prompts(16, SHORT, 99), "max_new": SHORT_NEW, "concurrency": 16})
+    srv.ask({"op": "streams", "prompts": prompts(4, SHORT, 98), "max_new": 2})
+    srv.ask({"op": "models", "n": 3})
+    before = srv.meter.sample()
+    time.sleep(reps["idle"])
+    idle = srv.meter.delta(before, srv.meter.sample())
+    out["idle_cpu_ms_per_s"] = {k: v * 1000 / reps["idle"] for k, v in idle.items()}
+
+    r, cpu = srv.phase({"op": "models", "n": reps["models"]}, reps["models"])
+    out["models"] = {**dist(r["latency"]), "cpu_ms_per_req": cpu}
+    r, cpu = srv.phase({"op": "requests", "prompts": [long] * reps["ttft"], "max_new": 1, "concurrency": 1},
+                       reps["ttft"])
+    out["ttft_cached"] = {**dist(r["latency"]), "cpu_ms_per_req": cpu}
+    r, cpu = srv.phase({"op": "requests", "prompts": [long] * reps["long"], "max_new": LONG_NEW, "concurrency": 1},
+                       reps["long"])
+    out["long64"] = {**dist(r["latency"], 1.0), "cpu_ms_per_req": cpu, "wrong_length": r["wrong_length"]}
+    rates, cpus, bad = [], [], 0
+    for i in range(reps["short"]):
+        r, cpu = srv.phase({"op": "requests", "prompts": prompts(64, SHORT, 1000 + i), "max_new": SHORT_NEW,
+                            "concurrency": 16}, 64)
+        rates.append(64 / r["wall"])
+        cpus.append(cpu)
+        bad += r["wrong_length"]
+    out["short"] = {"req_s": statistics.median(rates), "runs": rates, "cpu_ms_per_req": _sum_cpu(cpus),
+                    "wrong_length": bad}
+    ttfts, cpus = [], []
+    for i in range(reps["streams"]):
+        r, cpu = srv.phase({"op": "streams", "prompts": prompts(64, SHORT, 3000 + i), "max_new": STREAM_NEW}, 64)
+        ttfts += r["ttft"]
+        cpus.append(cpu)
+    out["streams64"] = {"ttft": dist(ttfts), "cpu_ms_per_req": _sum_cpu(cpus)}
+    # The others alone, beside one 512-token stream read as it comes (what sharing the batch costs), and
+    # beside the same stream read only after 3 s (what a slow reader adds on top: should be nothing).
+    lat: dict[str, list[float]] = {"alone": [], "beside_reader": [], "beside_slow_reader": []}
+    slow = []
+    for i in range(reps["slow"]):
+        for j, (key, delay) in enumerate((("alone", None), ("beside_reader", 0.0), ("beside_slow_reader", 3.0))):
+            cmd = {"op": "slow", "prompts": prompts(15, SHORT, 4000 + 10 * i + j), "max_new": 32}
+            if delay is not None:
+                cmd.update(slow_prompt=prompts(1, SHORT, 6000 + 10 * i + j)[0], slow_max_new=512, slow_delay=delay)
+            r = srv.ask(cmd)
+            lat[key] += r["latency"]
+            if delay:
+                slow.append(r["slow"])
+    out["slow_reader"] = {**{k: dist(v) for k, v in lat.items()}, "slow": slow}
+    return out
+
+
+# ---- hop by hop (colocated, one request at a time) -----------------------------------------------------
+def hops(n: int, name: str = "colocated", switch_interval: float | None = None) -> dict:
+    """Round trips of each hop of the colocated path, timed from a Ray driver beside the cluster (sequential,
+    ``n`` each): a bare actor call (worker.ping), the router's route, the worker's stream alone (first item
+    of a cached 512-token prompt; 64 tokens), and over HTTP /v1/models (proxy + replica + FastAPI, no
+    backend), /generate of 1 and of 64 tokens. The differences name what each layer adds."""
+    import asyncio
+    import httpx
+    from cluster.launch import set_ray_env
+    set_ray_env()
+    import ray
+    from actors.routing import prompt_blocks
+    from engine.sampling import SamplingParams
+    srv = Server(name, switch_interval=switch_interval)
+    try:
+        gcs = next(ln.split("Ray at ")[1].split()[0] for ln in srv.lines if "strata: Ray at " in ln)
+        ray.init(address=gcs, namespace="strata", log_to_driver=False)
+        worker = ray.get_actor("strata-colocated-0", namespace="strata")
+        router = ray.get_actor(next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                                    if "router" in a["name"]), namespace="strata")
+        long = prompts(1, LONG, 1)[0]
+        geometry, rcfg = ray.get(router.geometry.remote()), ray.get(router.config.remote())
+        keys = prompt_blocks(long, geometry, rcfg)
+        sp = lambda k: SamplingParams(max_new_tokens=k, temperature=0.0, ignore_eos=True)  # noqa: E731
+
+        async def run() -> dict:
+            out: dict = {}
+
+            async def timed(name, fn, k=n, scale=1000.0):
+                for _ in range(3):
+                    await fn()
+                lat = []
+                for _ in range(k):
+                    t = time.perf_counter()
+                    await fn()
+                    lat.append(time.perf_counter() - t)
+                out[name] = dist(lat, scale)
+
+            async def first(k):
+                gen = worker.generate.remote(long, sp(k))
+                items = 0
+                async for ref in gen:
+                    item = await ref
+                    items += len(item.token_ids)
+                    if k == 1 or item.finished:
+                        break
+                return items
+
+            async with httpx.AsyncClient(timeout=60) as http:
+                async def gen_http(k):
+                    r = await http.post(f"{srv.url}/generate", json={
+                        "input_ids": long, "sampling_params": {"max_new_tokens": k, "temperature": 0.0,
+                                                               "ignore_eos": True}})
+                    r.raise_for_status()
+                await timed("worker.ping (bare actor call)", lambda: worker.ping.remote())
+                await timed("router.route (512-token keys)", lambda: router.route.remote(keys, len(long), []))
+                await timed("worker.generate stream, 1 new (cached 512)", lambda: first(1))
+                await timed("HTTP GET /v1/models", lambda: http.get(f"{srv.url}/v1/models"))
+                await timed("HTTP /generate, 1 new (cached 512)", lambda: gen_http(1))
+                await timed("worker.generate stream, 64 new", lambda: first(64), max(3, n // 10), 1.0)
+                await timed("HTTP /generate, 64 new", lambda: gen_http(64), max(3, n // 10), 1.0)
+            return out
+        return asyncio.run(run())
+    finally:
+        try:
+            ray.shutdown()
+        finally:
+            srv.stop()
+
+
+# ---- the profile (colocated, short requests) -----------------------------------------------------------
+def profile(seconds: float, rate: int, native: bool = True, name: str = "colocated") -> dict:
+    import shutil
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    calls = tempfile.mkdtemp(prefix="strata-overhead-calls-")
+    srv = Server(name, calls_dir=calls)
+    try:
+        srv.ask({"op": "requests", "prompts": prompts(64, SHORT, 99), "max_new": SHORT_NEW, "concurrency": 16})
+        # Ray calls per request: counts before and after a measured batch, per process kind.
+        time.sleep(1.5)
+        c0 = _read_calls(calls, srv.meter)
+        n_req = 128
+        srv.ask({"op": "requests", "prompts": prompts(n_req, SHORT, 7000), "max_new": SHORT_NEW, "concurrency": 16})
+        time.sleep(1.5)
+        c1 = _read_calls(calls, srv.meter)
+        per_req = {k: {m: (c1[k].get(m, 0) - c0.get(k, {}).get(m, 0)) / n_req for m in c1[k]
+                       if c1[k].get(m, 0) != c0.get(k, {}).get(m, 0)} for k in c1}
+        per_req = {k: v for k, v in per_req.items() if v}
+        stream_calls = {}
+        c0 = _read_calls(calls, srv.meter)
+        srv.ask({"op": "streams", "prompts": prompts(64, SHORT, 7100), "max_new": STREAM_NEW})
+        time.sleep(1.5)
+        c1 = _read_calls(calls, srv.meter)
+        stream_calls = {k: {m: (c1[k].get(m, 0) - c0.get(k, {}).get(m, 0)) / 64 for m in c1[k]
+                            if c1[k].get(m, 0) != c0.get(k, {}).get(m, 0)} for k in c1}
+        stream_calls = {k: v for k, v in stream_calls.items() if v}
+        # py-spy on each kind while the load generator repeats the short-request row.
+        targets = {k: srv.meter.pids(k) for k in ("proxy", "ingress", "router", "workers")}
+        targets["client"] = [srv.client.pid]
+        spies, files = [], {}
+        outdir = tempfile.mkdtemp(prefix="strata-overhead-pyspy-")
+        for k, pids in targets.items():
+            for pid in pids:
+                f = os.path.join(outdir, f"{k}-{pid}.txt")
+                files[f] = k
+                spies.append(subprocess.Popen([spy, "record", "--pid", str(pid), "--duration", str(int(seconds)),
+                                               "--rate", str(rate), "--format", "raw", "--threads", "-o", f]
+                                              # native frames need the target paused at each sample
+                                              + (["--native"] if native else ["--nonblocking", "--gil"]),
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        time.sleep(1.0)
+        t0, done, before = time.monotonic(), 0, srv.meter.sample()
+        while time.monotonic() - t0 < seconds - 2:
+            srv.ask({"op": "requests", "prompts": prompts(64, SHORT, 8000 + done), "max_new": SHORT_NEW,
+                     "concurrency": 16})
+            done += 64
+        cpu = srv.meter.delta(before, srv.meter.sample())
+        errs = []
+        for p in spies:
+            _, err = p.communicate(timeout=seconds + 60)
+            if p.returncode:
+                errs.append(err[-300:])
+        prof = {k: {"files": []} for k in targets}
+        for f, k in files.items():
+            if os.path.exists(f):
+                prof[k]["files"].append(f)
+        summary = {k: summarize_stacks(v["files"]) for k, v in prof.items()}
+        return {"requests": done, "cpu_ms_per_req": {k: v * 1000 / done for k, v in cpu.items()},
+                "ray_calls_per_request": per_req, "ray_calls_per_stream_16_tokens": stream_calls,
+                "py_spy": summary, "py_spy_errors": errs, "raw_dir": outdir, "rate_hz": rate, "seconds": seconds, "native": native,
+                "py_spy_mode": "--native (targets paused at each sample)" if native else
+                "--gil --nonblocking (Python frames of the thread holding the GIL)"}
+    finally:
+        srv.stop()
+
+
+def _read_calls(d: str, meter: CpuMeter) -> dict[str, dict[str, int]]:
+    meter.sample()
+    out: dict[str, dict[str, int]] = {}
+    for f in os.listdir(d):
+        if not f.endswith(".json"):
+            continue
+        pid = int(f[:-5])
+        try:
+            counts = json.loads(Path(d, f).read_text())
+        except (OSError, ValueError):
+            continue
+        k = meter.kinds.get(pid, "other")
+        for m, n in counts.items():
+            out.setdefault(k, {})[m] = out.get(k, {}).get(m, 0) + n
+    return out
+
+
+BUCKETS = [   # (name, substrings of a frame "func (file)"); the innermost frame that matches names the sample
+    ("engine: model forward", ("engine/model/", "torch/nn/", "libtorch", "libgomp")),
+    ("engine: scheduler/cache/kv", ("engine/", "storage/")),
+    ("kv events / reports / l3", ("kv_events", "cache_report", "zmq", "libzmq", "msgspec")),
+    ("strata front/ingress/worker", ("actors/",)),
+    ("pydantic / json", ("pydantic", "json/", "orjson", "_json", "encoder.py", "decoder.py")),
+    ("serve: proxy/router/replica", ("ray/serve/",)),
+    ("http: uvicorn/starlette/fastapi/httpx/h11", ("uvicorn", "starlette", "fastapi", "h11", "httpx", "httpcore",
+                                                  "anyio", "httptools")),
+    ("ray core, python: calls/objects/serialization", ("ray/_private", "ray/actor.py", "ray/remote_function",
+                                                      "cloudpickle", "ray/util", "pickle")),
+    ("ray core, C++: core worker/gRPC/plasma", ("_raylet", "grpc", "ray::", "boost", "libprotobuf", "absl")),
+    ("asyncio / uvloop", ("asyncio/", "uvloop", "loop.cpython")),
+    ("python interpreter", ("libpython",)),
+]
+# A leaf that is a blocking call: the thread waits (py-spy counts a thread that is runnable as active, and a
+# thread blocked in native code may read as active): left out of the buckets, its share reported.
+WAITING = ("epoll_wait", "epoll_pwait", "futex", "pthread_cond", "clock_nanosleep", "nanosleep", "__poll", "poll (",
+           "select (", "sem_wait", "sem_timedwait", "lll_lock_wait", "accept", "pause (", "sigtimedwait",
+           "time_sleep", "Condition.wait", "EpollSelector.select", "Poller.poll", "read_frame", "recv (")
+
+
+def summarize_stacks(files: list[str], top: int = 15) -> dict:
+    """py-spy raw (collapsed, --native --threads) stacks -> samples, the share of samples waiting, the share
+    of each bucket among the others, the hottest leaf frames, and the threads."""
+    leaves: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    buckets: dict[str, int] = {}
+    threads: dict[str, int] = {}
+    total = waiting = 0
+    for f in files:
+        for line in Path(f).read_text(errors="replace").splitlines():
+            stack, _, n = line.rpartition(" ")
+            if not stack or not n.isdigit():
+                continue
+            n = int(n)
+            frames = stack.split(";")
+            total += n
+            # an unresolved libc frame (native mode) is, here, nearly always a blocking syscall's wrapper
+            if any(w in frames[-1] for w in WAITING) or (frames[-1].startswith("0x") and "libc" in frames[-1]):
+                waiting += n
+                continue
+            thread = frames[0].split(": ", 1)[-1] if frames[0].startswith("thread") else "?"
+            threads[thread] = threads.get(thread, 0) + n
+            leaf = frames[-1]
+            leaves[leaf] = leaves.get(leaf, 0) + n
+            for fr in set(frames[1:]):
+                if not any(x in fr for x in ("threading.py", "default_worker.py", "Worker.main_loop")):
+                    inclusive[fr] = inclusive.get(fr, 0) + n
+            b = "other"
+            for fr in reversed(frames[1:]):
+                hit = next((name for name, subs in BUCKETS if any(x in fr for x in subs)), None)
+                if hit:
+                    b = hit
+                    break
+            buckets[b] = buckets.get(b, 0) + n
+    busy = max(1, total - waiting)
+    pct_ = lambda d: {k: round(100 * v / busy, 1) for k, v in sorted(d.items(), key=lambda kv: -kv[1])}  # noqa
+    return {"samples": total, "waiting_pct": round(100 * waiting / max(1, total), 1),
+            "buckets_pct_of_busy": pct_(buckets), "threads_pct_of_busy": dict(list(pct_(threads).items())[:8]),
+            "top_leaves_pct_of_busy": dict(list(pct_(leaves).items())[:top]),
+            "top_inclusive_pct_of_busy": dict(list(pct_(inclusive).items())[:3 * top])}
+
+
+# ---- the report ----------------------------------------------------------------------------------------
+def _cell(name: str, res: dict, key: str, eng: dict | None) -> str:
+    r = res.get(name)
+    if r is None or key not in r and key != "slow":
+        return "-"
+    if key == "ttft_cached":
+        x = r[key]
+        return f"{x['p50']:.1f} / {x['p90']:.1f} / {x['p99']:.1f}"
+    if key == "long64":
+        x = r[key]
+        ratio = f" ({x['p50'] / eng['long64']['p50']:.2f}x)" if eng and name != "engine" else ""
+        return f"{x['p50']:.3f}{ratio}"
+    if key == "short":
+        x = r[key]["req_s"]
+        ratio = f" ({x / eng['short']['req_s']:.2f}x)" if eng and name != "engine" else ""
+        return f"{x:.0f}{ratio}"
+    if key == "models":
+        return f"{r[key]['p50']:.1f}"
+    if key == "streams64":
+        x = r[key]["ttft"]
+        return f"{x['p50']:.0f} / {x['p99']:.0f}"
+    if key == "slow":
+        s = r.get("slow_reader")
+        if s is None:
+            return "-"
+        return "->".join(f"{s[k]['p50']:.0f}/{s[k]['p99']:.0f}" for k in ("alone", "beside_reader", "beside_slow_reader"))
+    return "-"
+
+
+def report(res: dict) -> str:
+    names = [n for n in ("engine", *CONFIGS) if n in res]
+    eng = res.get("engine")
+    rows = [("TTFT, cached 512-tok prompt, 1 new: p50/p90/p99 ms", "ttft_cached"),
+            ("64 new after it: request p50 s (x engine)", "long64"),
+            ("64 short (32 tok, 8 new), 16 at once: req/s (x eng.)", "short"),
+            ("GET /v1/models p50 ms", "models"),
+            ("64 streams at once (16 new): TTFT p50/p99 ms", "streams64"),
+            ("15 streams p50/p99 ms: alone->+reader->+slow reader", "slow")]
+    out = [{"what": label, **{n: _cell(n, res, key, eng) for n in names}} for label, key in rows]
+    if eng:
+        out.append({"what": "engine: the 64 short as one batch: req/s", "engine": f"{eng['short_batch64']['req_s']:.0f}"})
+    text = table(out, ["what"] + names)
+    cpu_rows = []
+    for n in names[1:] if eng else names:
+        for phase in ("ttft_cached", "short", "streams64"):
+            c = res[n][phase]["cpu_ms_per_req"]
+            cpu_rows.append({"config": n, "phase": phase, **{k: f"{v:.1f}" for k, v in c.items() if k in KINDS},
+                             "total": f"{sum(c.values()):.1f}"})
+        idle = res[n]["idle_cpu_ms_per_s"]
+        cpu_rows.append({"config": n, "phase": "idle (ms/s)", **{k: f"{v:.0f}" for k, v in idle.items()},
+                         "total": f"{sum(idle.values()):.0f}"})
+    if cpu_rows:
+        text += "\n\nCPU ms per request by process kind (idle: CPU ms per second with no load)\n"
+        text += table(cpu_rows, ["config", "phase", *KINDS, "total"])
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions (all rows in a few minutes)")
+    ap.add_argument("--configs", default="engine,colocated,1p1d,2p1d")
+    ap.add_argument("--label", default=None, help="the JSON key of this run (default: quick or full)")
+    ap.add_argument("--profile", action="store_true", help="py-spy and Ray call counts, colocated short requests")
+    ap.add_argument("--profile-seconds", type=float, default=20.0)
+    ap.add_argument("--hops", action="store_true", help="round trips hop by hop (colocated), from a Ray driver")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="--hops: set the server processes' GIL switch interval (s) through the bench's hook")
+    ap.add_argument("--profile-rate", type=int, default=100)
+    ap.add_argument("--profile-native", action="store_true",
+                    help="py-spy with native frames (pauses the targets at each sample); default: only the "
+                         "thread holding the GIL, Python frames, --nonblocking")
+    args = ap.parse_args(argv)
+    if args.hops:
+        name = args.configs if args.configs in ("colocated", "colocated-l1") else "colocated"
+        h = hops(20 if args.quick else 60, name, args.switch_interval)
+        eng = engine_rows({**REPS["quick"], "short": 1, "streams": 1})
+        rows = [{"hop": k, "p50": v["p50"], "p90": v["p90"], "unit": "s" if "64" in k else "ms"} for k, v in h.items()]
+        rows += [{"hop": "engine alone, 1 new (cached 512)", "p50": eng["ttft_cached"]["p50"],
+                  "p90": eng["ttft_cached"]["p90"], "unit": "ms"},
+                 {"hop": "engine alone, 64 new", "p50": eng["long64"]["p50"], "p90": eng["long64"]["p90"], "unit": "s"}]
+        print(table(rows, ["hop", "p50", "p90", "unit"]))
+        path = ROOT / "bench" / "results" / "overhead.json"
+        prior = {k: v for k, v in json.loads(path.read_text()).items() if k != "machine"} if path.exists() else {}
+        key = f"hops_{name}" + (f"_switch_{args.switch_interval:g}" if args.switch_interval else "")
+        prior[key] = {"load_avg_after": os.getloadavg(), "rows": rows}
+        write_json("overhead", prior)
+        print(f"wrote {path}")
+        return 0
+    if args.profile:
+        name = args.configs if args.configs in CONFIGS else "colocated"
+        p = profile(args.profile_seconds, args.profile_rate, args.profile_native, name)
+        print(json.dumps({k: v for k, v in p.items() if k != "py_spy"}, indent=1))
+        for k, s in p["py_spy"].items():
+            print(f"\n{k}: {s['samples']} samples, {s['waiting_pct']}% waiting\n  buckets: {s['buckets_pct_of_busy']}"
+                  f"\n  threads: {s['threads_pct_of_busy']}\n  top leaves:\n    "
+                  + "\n    ".join(f"{v:5.1f}% {f[:150]}" for f, v in s["top_leaves_pct_of_busy"].items()))
+        path = ROOT / "bench" / "results" / "overhead_profile.json"
+        prior = {k: v for k, v in json.loads(path.read_text()).items() if k != "machine"} if path.exists() else {}
+        prior[name] = {"cpus": os.cpu_count(), **p}
+        write_json("overhead_profile", prior)
+        print(f"wrote {path}")
+        return 0
+    reps = REPS["quick" if args.quick else "full"]
+    label = args.label or ("quick" if args.quick else "full")
+    res: dict = {}
+    t0 = time.monotonic()
+    for name in args.configs.split(","):
+        t = time.monotonic()
+        try:
+            res[name] = engine_rows(reps) if name == "engine" else http_rows(name, reps)
+        except Exception as e:  # noqa: BLE001 - the other configs' rows still count
+            print(f"[{name}: failed: {e!r}"[:2000] + "]", file=sys.stderr, flush=True)
+            continue
+        print(f"[{name}: {time.monotonic() - t:.0f}s]", file=sys.stderr, flush=True)
+    print(report(res))
+    print(f"\n(all in {time.monotonic() - t0:.0f}s; load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus)")
+    path = ROOT / "bench" / "results" / "overhead.json"
+    prior = {}
+    if path.exists():
+        prior = {k: v for k, v in json.loads(path.read_text()).items() if k != "machine"}
+    prior[label] = {"cpus": os.cpu_count(), "load_avg_after": os.getloadavg(), "reps": reps,
+                    "engine_settings": ENGINE, "results": res, "table": report(res).splitlines()}
+    write_json("overhead", prior)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""bench/overhead.py's pure parts: process kinds, py-spy stack summaries, percentiles, the report, and the
+load generator's slow-reader stream parsing (against a tiny local server; no Ray)."""
+import asyncio
+import json
+
+from bench.overhead import dist, kind_of, pct, report, summarize_stacks
+from bench.overhead_client import Client
+
+
+def test_kinds_from_ray_process_titles():
+    assert kind_of("ray::ProxyActor") == "proxy"
+    assert kind_of("ray::ServeReplica:strata:ingress") == "ingress"
+    assert kind_of("ray::PrefixRouterActor.route") == "router"
+    assert kind_of("ray::WorkerActor") == "workers"
+    assert kind_of("ray::StorageActor.attach") == "storage"
+    assert kind_of("ray::ServeController.listen_for_change") == "serve_controller"
+    assert kind_of("/x/python -m cluster.cli serve --config c.yaml") == "launcher"
+    assert kind_of("/x/ray/core/src/ray/raylet/raylet --raylet_socket_name=...") == "ray_system"
+
+
+def test_percentiles():
+    xs = [i / 1000 for i in range(1, 101)]
+    assert abs(pct(xs, 50) - 0.0505) < 1e-9
+    d = dist(xs)
+    assert d["n"] == 100 and abs(d["p99"] - 99.01) < 1e-6
+
+
+def test_stack_summary_leaves_out_waiting_threads(tmp_path):
+    f = tmp_path / "ingress-1.txt"
+    f.write_text("thread (1): MainThread;Frontend.run (actors/frontend.py:216);packb (msgpack/__init__.py:36) 3\n"
+                 "thread (1): MainThread;ActorMethod._remote (ray/actor.py:1178) 1\n"
+                 "thread (2): GC;Condition.wait (threading.py:327) 6\n")
+    s = summarize_stacks([str(f)])
+    assert s["samples"] == 10 and s["waiting_pct"] == 60.0
+    assert s["buckets_pct_of_busy"] == {"strata front/ingress/worker": 75.0,
+                                        "ray core, python: calls/objects/serialization": 25.0}
+    assert s["top_inclusive_pct_of_busy"]["Frontend.run (actors/frontend.py:216)"] == 75.0
+
+
+def test_report_has_every_row():
+    d = {"p50": 1.0, "p90": 2.0, "p99": 3.0}
+    eng = {"ttft_cached": d, "long64": {"p50": 0.1}, "short": {"req_s": 100.0}, "short_batch64": {"req_s": 200.0},
+           "streams64": {"ttft": d}}
+    cpu = {"cpu_ms_per_req": {"proxy": 1.0, "client": 0.5}}
+    srv = {"ttft_cached": {**d, **cpu}, "long64": {"p50": 0.2, **cpu}, "short": {"req_s": 50.0, **cpu},
+           "models": d, "streams64": {"ttft": d, **cpu}, "idle_cpu_ms_per_s": {"proxy": 5.0},
+           "slow_reader": {"alone": d, "beside_reader": d, "beside_slow_reader": d, "slow": []}}
+    text = report({"engine": eng, "colocated": srv})
+    assert "2.00x" in text and "0.50x" in text and "1/3->1/3->1/3" in text and "idle (ms/s)" in text
+
+
+def test_slow_reader_stream_is_parsed_through_chunked_encoding():
+    events = [{"output_ids": list(range(k))} for k in (1, 2, 3)]
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+
+    async def handle(reader, writer):
+        n = 0
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            if line.lower().startswith(b"content-length:"):
+                n = int(line.split(b":")[1])
+        await reader.readexactly(n)    # all of the request read: a close then sends no reset
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for i in range(0, len(body), 7):     # chunk boundaries inside the JSON lines
+            part = body[i:i + 7].encode()
+            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def go():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        c = Client(f"http://127.0.0.1:{port}")
+        try:
+            return await c.raw_stream([1, 2], 3, delay=0.05)
+        finally:
+            await c.http.aclose()
+            server.close()
+    out = asyncio.run(go())
+    assert out["tokens"] == 3 and out["status"].endswith("200 OK")
