@@ -437,8 +437,8 @@ def main(argv: list[str] | None = None) -> dict:
         "Dynamo's RadixTree answers on a thread of its own: a call costs ~10 us more or less depending on "
         "whether another core is free to run it at once; on this shared 2-core machine that changes from run "
         "to run, and vs_dynamo with it (same-round medians at 100k pages seen between 0.55 and 1.49 across "
-        "runs of this bench on 2026-11-26 with the old index; Dynamo's best round at 100k between 16.7k/s "
-        "(p50 60 us) and 44.8k/s (p50 24 us) across two runs with the compact one).",
+        "runs of this bench on 2026-11-26 with the old index; Dynamo's best round at 100k between 16.3k/s "
+        "(p50 62 us) and 44.8k/s (p50 24 us) across three runs with the compact one).",
         "strata's index since the compact layout (actors/routing.py: one int mask per page, holders as bit "
         "slots, the mask ints shared): ~120 B per page at 100k (index_mb, tracemalloc; it was ~700 B as dict "
         "of dict of set), the key int and the dict entry being most of it, against Dynamo's ~60 B per block "
