@@ -9,9 +9,6 @@ the worker or L3) -- the rule of the worker's own radix tree.
 """
 from __future__ import annotations
 
-from collections import defaultdict
-from itertools import repeat
-from operator import contains
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -63,12 +60,25 @@ class Overlap:
 
 class PrefixIndex:
     """block id -> holder -> tiers, separately for the full and the SWA component. A block id is the wire's
-    (storage/kv_events/translate.block_hash: the first 8 bytes of the page key as a u64)."""
+    (storage/kv_events/translate.block_hash: the first 8 bytes of the page key as a u64).
+
+    Stored compact: each holder gets a slot number on first sight (``_slots``; never reused, so a bit
+    never changes meaning; the shared L3 store is slot 0 from the start), and a page's value is one int
+    whose bit ``3 * slot + rank`` (rank: L1 0, L2 1, L3 2) says that holder holds the page in that tier.
+    ``_full`` / ``_swa``: block id -> that int (never 0: a page nobody holds is not in the table). One
+    dict lookup per page gives every holder's tiers (the old dict of dict of set took ~700 B and a chain
+    of dependent cache misses per page). There is no per-holder key set: ``drop_worker`` and ``blocks``
+    scan the tables, and they are rare (a worker's death, a flush (``AllBlocksCleared``), a snapshot, an
+    audit), while every routed prompt and every event would pay for keeping one."""
 
     def __init__(self) -> None:
-        self._full: dict[int, dict[str, set[str]]] = defaultdict(dict)
-        self._swa: dict[int, dict[str, set[str]]] = defaultdict(dict)
-        self._by_worker: dict[str, set[int]] = defaultdict(set)
+        self._slots: dict[str, int] = {L3_WORKER: 0}
+        self._full: dict[int, int] = {}
+        self._swa: dict[int, int] = {}
+        # one int object per distinct mask (a handful in practice): the tables share them, so a page costs
+        # no value object of its own and a walk reads values that stay in cache. Cleared when it grows
+        # past _MASKS_MAX (the tables keep working; only the sharing is lost until values repeat again).
+        self._masks: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._full)
@@ -101,42 +111,63 @@ class PrefixIndex:
         return n
 
     def _change(self, worker: str, stored: bool, tier: str, full: bool, blocks: Iterable[int]) -> None:
+        rank = TIER_RANK.get(tier)
+        if rank is None:
+            raise ValueError(f"tier must be one of {tuple(TIER_RANK)}, got {tier!r}")
         table = self._full if full else self._swa
+        slot = self._slots.get(worker)
+        if slot is None:
+            if not stored:
+                return            # it never stored anything: nothing to remove
+            slot = self._slots[worker] = len(self._slots)
+        bit = 1 << (3 * slot + rank)
+        get, masks = table.get, self._masks
+        if len(masks) > _MASKS_MAX:
+            masks.clear()
+        share = masks.setdefault
         if stored:
-            mine = self._by_worker[worker]
             for key in blocks:
-                table[key].setdefault(worker, set()).add(tier)
-                mine.add(key)
+                v = get(key, 0) | bit
+                table[key] = share(v, v)
             return
         for key in blocks:
-            holders = table.get(key)
-            if holders is None:
-                continue
-            tiers = holders.get(worker)
-            if tiers is not None:
-                tiers.discard(tier)
-                if not tiers:
-                    del holders[worker]
-            if not holders:
-                del table[key]
+            v = get(key)
+            if v is not None and v & bit:
+                v ^= bit
+                if v:
+                    table[key] = share(v, v)
+                else:
+                    del table[key]
 
     def blocks(self, worker: str, tier: str | None = None, full: bool = True) -> set[int]:
-        """The block ids ``worker`` holds (in ``tier``, or any), of the full or the SWA component."""
-        table = self._full if full else self._swa
-        return {k for k in self._by_worker.get(worker, ()) if worker in table.get(k, {})
-                and (tier is None or tier in table[k][worker])}
+        """The block ids ``worker`` holds (in ``tier``, or any), of the full or the SWA component. Scans
+        the table (rare: snapshots and audits)."""
+        slot = self._slots.get(worker)
+        if slot is None or (tier is not None and tier not in TIER_RANK):
+            return set()
+        mask = (1 << (3 * slot + TIER_RANK[tier])) if tier is not None else (7 << (3 * slot))
+        return {k for k, v in (self._full if full else self._swa).items() if v & mask}
 
     def drop_worker(self, worker: str) -> int:
-        """Forget everything a (dead) worker held; returns how many keys it touched."""
-        keys = self._by_worker.pop(worker, set())
+        """Forget everything a (dead or flushed) worker held; returns how many distinct block ids it held
+        (in either table). Scans both tables (rare: a worker's death, a flush). The worker keeps its
+        slot (a slot is never reused)."""
+        slot = self._slots.get(worker)
+        if slot is None:
+            return 0
+        mask = 7 << (3 * slot)
+        keep = ~mask
+        held: set[int] = set()
         for table in (self._full, self._swa):
-            for key in keys:
-                holders = table.get(key)
-                if holders and worker in holders:
-                    del holders[worker]
-                    if not holders:
-                        del table[key]
-        return len(keys)
+            mine = [(k, v) for k, v in table.items() if v & mask]
+            held.update(k for k, _ in mine)
+            for k, v in mine:
+                v &= keep
+                if v:
+                    table[k] = self._masks.setdefault(v, v)
+                else:
+                    del table[k]
+        return len(held)
 
     def overlap(self, keys: Sequence[int], worker: str, window_pages: int) -> Overlap:
         """Usable cached prefix of ``keys`` for ``worker`` (see the module doc)."""
@@ -144,7 +175,7 @@ class PrefixIndex:
 
     def overlap_all(self, keys: Sequence[int], workers: list[str], window_pages: int) -> dict[str, Overlap]:
         """``overlap`` for several workers. Each key is looked up once in the full table up to the first
-        page nobody holds (no worker's prefix goes past it), then each worker walks the looked-up holders
+        page nobody holds (no worker's prefix goes past it), then each worker walks the looked-up masks
         (``_walk``; compiled in actors/_routing.c where it built, the same answers)."""
         return {w: Overlap(p, {"L1": a, "L2": b, "L3": c})
                 for w, (p, a, b, c) in zip(workers, self._overlap_rows(keys, workers, window_pages))}
@@ -154,19 +185,17 @@ class PrefixIndex:
         """``overlap_all``'s answers as ``(pages, L1, L2, L3)`` per worker, in ``workers`` order (what
         ``route`` reads: no Overlap built for the workers it does not pick)."""
         swa = self._swa if window_pages else None
-        if _c_overlap is not None and type(keys) is list:
-            got = _c_overlap(self._full, swa, keys, workers if type(workers) is list else list(workers),
-                             window_pages)
-            if got is not None:   # None: something only the Python walk judges (it raises where it must)
+        slots = self._slots
+        shifts = [3 * s if (s := slots.get(w)) is not None else -1 for w in workers]
+        if _c_overlap is not None:
+            got = _c_overlap(self._full, swa, keys if type(keys) is list else list(keys), shifts,
+                             3 * slots[L3_WORKER], window_pages)
+            if got is not None:   # None: something only the Python walk judges
                 return got
         fulls = list(map(self._full.get, keys))
         if None in fulls:
             del fulls[fulls.index(None):]
-        out = []
-        for w in workers:
-            ov = _walk(fulls, keys, swa, w, window_pages)
-            out.append((ov.pages, ov.by_tier["L1"], ov.by_tier["L2"], ov.by_tier["L3"]))
-        return out
+        return [_walk(fulls, keys, swa, s, window_pages) for s in shifts]
 
 
 try:
@@ -174,67 +203,42 @@ try:
 except ImportError:   # built without a C compiler: the Python walk below, slower on a large index
     _c_overlap = None
 
-_L3_ONLY = frozenset((L3_WORKER,))   # a page the worker lacks but the shared L3 has: served from L3
+_MASKS_MAX = 1 << 12
+_L3_BIT = 1 << 2    # the shared L3 store (slot 0) holds the page in tier L3
 
 
-def _walk(fulls: list, keys: Sequence[int], swa: dict | None, worker: str, window_pages: int) -> Overlap:
-    """The usable prefix for one worker (see the module doc for the rule) over the looked-up full holders
-    ``fulls`` of ``keys``: the worker's full pages run up to its first page held neither by it nor by L3;
-    the prefix is usable up to the end of the last run of SWA pages (in ``swa``: the worker's or L3's)
-    inside it that is ``window_pages`` long or starts at page 0 (``swa`` None: no window to check). The
-    scans are C-level where they can be (``map``, ``list.index``); the SWA table is read only where the
-    scan down from the end of the full prefix looks (most often one window)."""
-    if not fulls or (worker not in fulls[0] and _l3(fulls[0]) is None):
-        return Overlap(0, {"L1": 0, "L2": 0, "L3": 0})    # most workers, for most prompts: nothing at all
-    mine = list(map(dict.get, fulls, repeat(worker)))   # the worker's tiers per page, None: it lacks it
-    n = len(mine)
-    j = mine.index(None) if None in mine else n
-    while j < n:
-        if _l3(fulls[j]) is None:
-            n = j
+def _walk(fulls: list[int], keys: Sequence[int], swa: dict | None, shift: int,
+          window_pages: int) -> tuple[int, int, int, int]:
+    """The usable prefix ``(pages, L1, L2, L3)`` for one worker (see the module doc for the rule) over the
+    looked-up full masks ``fulls`` of ``keys``; ``shift``: 3 * the worker's slot (-1: a worker the index
+    never saw). The worker's full pages run up to its first page held neither by it nor by L3; the prefix
+    is usable up to the end of the last run of SWA pages (in ``swa``: the worker's or L3's) inside it that
+    is ``window_pages`` long or starts at page 0 (``swa`` None: no window to check). Each page is served
+    from the fastest tier the worker holds it in, else from L3."""
+    usable = (_L3_BIT | (7 << shift)) if shift >= 0 else _L3_BIT
+    n = 0
+    for v in fulls:
+        if not v & usable:
             break
-        mine[j] = _L3_ONLY
-        j = mine.index(None) if None in mine else n
+        n += 1
     best = n
     if swa is not None:
         # the last SWA run that counts: scan down from the end of the full prefix, run by run
         best, i, get = 0, n - 1, swa.get
         while i >= 0:
-            while i >= 0 and not _has(get(keys[i]), worker):
+            while i >= 0 and not get(keys[i], 0) & usable:
                 i -= 1
             end = i
-            while i >= 0 and _has(get(keys[i]), worker):
+            while i >= 0 and get(keys[i], 0) & usable:
                 i -= 1
             if end >= 0 and (i < 0 or end - i >= window_pages):
                 best = end + 1
                 break
-    if not best:
-        return Overlap(0, {"L1": 0, "L2": 0, "L3": 0})
-    top = mine[:best] if best < len(mine) else mine
-    l1 = sum(map(contains, top, repeat("L1")))
-    if l1 == best:
-        return Overlap(best, {"L1": best, "L2": 0, "L3": 0})
-    by_tier = {"L1": 0, "L2": 0, "L3": 0}
-    for tiers in top:
-        by_tier[_best_tier(tiers)] += 1
-    return Overlap(best, by_tier)
-
-
-def _l3(holders: dict) -> str | None:
-    """"L3" where the shared L3 holds the page."""
-    return "L3" if "L3" in holders.get(L3_WORKER, ()) else None
-
-
-def _has(holders: dict | None, worker: str) -> bool:
-    """Whether ``worker`` can read a page's data: it holds it, or the shared L3 does."""
-    return bool(holders) and (worker in holders or "L3" in holders.get(L3_WORKER, ()))
-
-
-def _best_tier(tiers) -> str:
-    """The fastest of a worker's tiers of a page (``_L3_ONLY``: the shared L3's)."""
-    if tiers is _L3_ONLY:
-        return "L3"
-    return min(tiers, key=TIER_RANK.__getitem__)
+    count = [0, 0, 0]
+    for v in fulls[:best]:
+        t = (v >> shift) & 7 if shift >= 0 else 0
+        count[0 if t & 1 else 1 if t & 2 else 2] += 1
+    return best, count[0], count[1], count[2]
 
 
 class NoWorkerError(ValueError):

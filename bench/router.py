@@ -437,12 +437,18 @@ def main(argv: list[str] | None = None) -> dict:
         "Dynamo's RadixTree answers on a thread of its own: a call costs ~10 us more or less depending on "
         "whether another core is free to run it at once; on this shared 2-core machine that changes from run "
         "to run, and vs_dynamo with it (same-round medians at 100k pages seen between 0.55 and 1.49 across "
-        "runs of this bench on 2026-11-26).",
-        "strata's decision at 100k pages: hashing (BLAKE2b, two compressions per 16-token page, in C) ~16 us "
-        "against Dynamo's xxh3 ~10 us; the walk ~15-18 us against ~5 us for the same prompts with the index "
-        "in cache: the index holds ~700 B per page (index_mb, tracemalloc) against Dynamo's ~60 B per block "
-        "(RSS), and each page costs a chain of dependent cache misses (table slot, entry, key, holders, "
-        "tier set).",
+        "runs of this bench on 2026-11-26 with the old index; Dynamo's best round at 100k between 16.3k/s "
+        "(p50 62 us) and 44.8k/s (p50 24 us) across three runs with the compact one).",
+        "strata's index since the compact layout (actors/routing.py: one int mask per page, holders as bit "
+        "slots, the mask ints shared): ~120 B per page at 100k (index_mb, tracemalloc; it was ~700 B as dict "
+        "of dict of set), the key int and the dict entry being most of it, against Dynamo's ~60 B per block "
+        "(RSS).",
+        "strata's decision at 100k pages, where the time goes (timed by parts, cold cache as after hashing a "
+        "fresh prompt): hashing (BLAKE2b, two compressions per 16-token page, in C) ~16 us against Dynamo's "
+        "xxh3 ~10 us; the compiled walk of 4 workers ~7 us (its 63 full-table and the SWA lookups, prefetched "
+        "together: ~10.6 us without the prefetch, ~2.2 us with the index in cache), route's Python (the cost "
+        "per worker, the pick's Overlap) ~2 us. The walk is now on par with Dynamo's find_matches; the gap "
+        "left is the hash.",
     ]
     payload = {"notes": notes, "dynamo": "ai-dynamo-runtime 1.6.1 (dynamo._core.RadixTree)" if not DYNAMO_SKIPPED else None,
                "dynamo_skipped": DYNAMO_SKIPPED or None, "quick": args.quick, "rows": rows, "checks": checks,

@@ -72,6 +72,13 @@ def test_pick_decode_and_errors():
         RouterConfig(l2_weight=-1)
 
 
+def _holders(idx: PrefixIndex, full: bool, key) -> dict[str, set[str]]:
+    """A page's holder -> tiers, decoded from the index's mask (bit 3 * slot + rank)."""
+    v = (idx._full if full else idx._swa).get(key, 0)
+    return {h: {t for r, t in enumerate(("L1", "L2", "L3")) if v >> (3 * s + r) & 1}
+            for h, s in idx._slots.items() if v >> (3 * s) & 7}
+
+
 def _ref_overlap(idx: PrefixIndex, keys, worker, window_pages):
     """The rule of the module doc, page by page (the index's walk before it was made C-level): the oracle."""
     def top(holders):
@@ -83,13 +90,13 @@ def _ref_overlap(idx: PrefixIndex, keys, worker, window_pages):
         return "L3" if "L3" in holders.get(L3_WORKER, ()) else None
     best, at_best, seen, run_start = 0, {"L1": 0, "L2": 0, "L3": 0}, {"L1": 0, "L2": 0, "L3": 0}, None
     for i, k in enumerate(keys):
-        t = top(idx._full.get(k))
+        t = top(_holders(idx, True, k))
         if t is None:
             break
         seen[t] += 1
         if not window_pages:
             best, at_best = i + 1, dict(seen)
-        elif top(idx._swa.get(k)) is not None:
+        elif top(_holders(idx, False, k)) is not None:
             run_start = i if run_start is None else run_start
             if run_start == 0 or i + 1 - run_start >= window_pages:
                 best, at_best = i + 1, dict(seen)
@@ -111,6 +118,10 @@ def test_overlap_matches_the_page_by_page_rule_on_random_indexes(compiled, monke
     workers = ["p0", "p1", "p2"]
     for trial in range(300):
         idx, n = PrefixIndex(), rng.randrange(1, 11)
+        if trial % 3 == 0:   # holders that came and went first: the workers' bits lie past 64 (slot 21+)
+            for d in range(rng.choice((5, 25))):
+                idx.apply(f"gone{d}", [ev("stored", "L1", "full", KEYS[:1])])
+                idx.drop_worker(f"gone{d}")
         for holder in workers + [L3_WORKER]:
             for comp in ("full", "swa"):
                 for tier in (("L3",) if holder == L3_WORKER else ("L1", "L2")):
@@ -118,9 +129,14 @@ def test_overlap_matches_the_page_by_page_rule_on_random_indexes(compiled, monke
                         idx.apply(holder, [ev("stored", tier, comp, rng.sample(KEYS[:n], rng.randrange(n + 1)))])
         if rng.random() < 0.3:    # removals leave holders without a tier, keys without holders
             idx.apply(rng.choice(workers), [ev("removed", "L1", rng.choice(("full", "swa")), KEYS[:n])])
+        if rng.random() < 0.2:
+            gone = rng.choice(workers)
+            held = set(idx.blocks(gone)) | set(idx.blocks(gone, full=False))
+            assert idx.drop_worker(gone) == len(held)
+            assert not idx.blocks(gone) and not idx.blocks(gone, full=False)
         for w in (0, 1, 2, 3):
-            got = idx.overlap_all(BLOCKS[:n], workers, w)
-            for worker in workers:
+            got = idx.overlap_all(BLOCKS[:n], workers + ["never_seen"], w)
+            for worker in workers + ["never_seen"]:
                 pages, tiers = _ref_overlap(idx, BLOCKS[:n], worker, w)
                 assert (got[worker].pages, got[worker].by_tier) == (pages, tiers), (trial, worker, w)
             # route: the lowest cost (the first on a tie), from the same overlaps
@@ -144,3 +160,20 @@ def test_prompt_blocks_are_the_first_8_bytes_of_the_keys():
         toks = [rng.randrange(1 << 40) for _ in range(n)]
         assert prompt_blocks(toks, GEOM, CFG) == [int.from_bytes(k[:8], "big") for k in prompt_keys(toks, GEOM, CFG)]
         assert prompt_blocks(tuple(toks), GEOM, CFG) == prompt_blocks(toks, GEOM, CFG)
+
+
+def test_blocks_and_drop_worker_read_the_masks():
+    idx = PrefixIndex()
+    idx.apply("p0", [ev("stored", "L1", "full", KEYS[:4]), ev("stored", "L2", "full", KEYS[2:6]),
+                     ev("stored", "L1", "swa", KEYS[6:8])])
+    idx.apply("p1", [ev("stored", "L1", "full", KEYS[:2])])
+    assert idx.blocks("p0") == set(BLOCKS[:6]) and idx.blocks("p0", "L2") == set(BLOCKS[2:6])
+    assert idx.blocks("p0", "L1", full=False) == set(BLOCKS[6:8]) and idx.blocks("nobody") == set()
+    idx.apply("p0", [ev("removed", "L1", "full", KEYS[:3]), ev("removed", "L2", "full", KEYS[:3])])
+    assert idx.blocks("p0") == set(BLOCKS[3:6]) and len(idx) == 5
+    assert idx.drop_worker("p0") == 5 and idx.drop_worker("p0") == 0 and idx.drop_worker("nobody") == 0
+    assert len(idx) == 2 and idx.blocks("p1") == set(BLOCKS[:2]) and not idx._swa
+    idx.apply("p0", [ev("stored", "L1", "full", KEYS[:1])])   # back: the same slot, no stale bits
+    assert idx.blocks("p0") == {BLOCKS[0]} and idx.overlap(BLOCKS, "p0", 0).pages == 1
+    with pytest.raises(ValueError, match="tier"):
+        idx.apply("p0", [ev("stored", "L4", "full", KEYS[:1])])
