@@ -203,19 +203,27 @@ def test_storage_actor_shell_with_router(tmp_path):
             ray.get(router.sync.remote())
             return ray.get(router.route.remote(blocks, 16 * 21)).by_tier["L3"]
 
-        assert l3_pages() == 20
-        # 20 pages > 60% of the cap: the evictor thread trims to 30% and the router follows.
-        assert _wait(lambda: l3_pages() < 20, 60.0)
-        present = store.batch_exists([l3_key(model, "full", k) for k in keys])
-        assert _wait(lambda: l3_pages() == present, 10.0) and present < 20
+        def counted() -> int:   # L3 pages the router's index holds
+            ray.get(router.sync.remote())
+            return len(ray.get(router.indexed_blocks.remote("L3")).get("L3", {}).get("full", []))
+
+        def on_disk() -> int:
+            return sum(store.batch_exists([l3_key(model, "full", k)]) for k in keys)
+
+        # 20 pages > 60% of the cap: the evictor thread trims to 30% (it may have begun already) and the
+        # router follows the evictions on the L3 stream.
+        assert _wait(lambda: ray.get(actor.status.remote(), timeout=60)["evicted_pages"] > 0, 60.0)
+        assert _wait(lambda: counted() == on_disk(), 10.0)
+        left = on_disk()
+        present = store.batch_exists([l3_key(model, "full", k) for k in keys])   # the leading run only
+        assert 0 < left < 20 and l3_pages() == present
+        assert len(ray.get(actor.l3_entries.remote())) == left
         st = ray.get(actor.status.remote(), timeout=60)
-        left = sum(store.batch_exists([l3_key(model, "full", k)]) for k in keys)
-        assert len(ray.get(actor.l3_entries.remote())) == left     # (batch_exists: the leading run only)
         assert st["used_bytes"] <= 0.3 * cap and st["evicted_pages"] == 20 - left
         assert ray.get(actor.run_once.remote(), timeout=60)["evicted"] == 0
         # A consumer that lost the L3 history asks for a snapshot: it says again what the store holds.
         snap = ray.get(actor.kv_snapshot.remote(), timeout=60)
-        assert snap.seq > pos.seq and l3_pages() == present
+        assert snap.seq > pos.seq and counted() == left and l3_pages() == present
         ray.get(actor.shutdown.remote(), timeout=60)
         store.close()
     finally:
