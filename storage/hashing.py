@@ -172,6 +172,15 @@ def block_id(key: bytes) -> int:
     return int.from_bytes(key[:8], "big")
 
 
+def _chain_start(seed: Seed, salt: Seed | None, parent: bytes | None) -> bytes:
+    """The key a chain continues from: ``parent``'s (which already encodes seed and salt), else the root."""
+    if parent is None:
+        return root_key(seed, salt)
+    if salt is not None:
+        raise ValueError("parent already encodes the salt; pass one of parent / salt")
+    return _check_key(parent)
+
+
 def page_ids(tokens: Tokens, page_size: int, *, seed: Seed = DEFAULT_SEED, salt: Seed | None = None,
              parent: bytes | None = None, num_pages: int | None = None) -> list[int]:
     """``[block_id(k) for k in page_keys(tokens, page_size, ...)]`` (same arguments, same errors),
@@ -179,12 +188,7 @@ def page_ids(tokens: Tokens, page_size: int, *, seed: Seed = DEFAULT_SEED, salt:
     else hashlib with the ids unpacked in one call. ``num_pages``: only the first ones (at most
     ``len(tokens) // page_size``; the ids of ``tokens[:num_pages * page_size]``, without the slice)."""
     _check_page_size(page_size)
-    if parent is not None:
-        if salt is not None:
-            raise ValueError("parent already encodes the salt; pass one of parent / salt")
-        start = _check_key(parent)
-    else:
-        start = root_key(seed, salt)
+    start = _chain_start(seed, salt, parent)
     if num_pages is not None:
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
             raise ValueError(f"num_pages must be an int >= 0, got {num_pages!r}")
@@ -231,12 +235,7 @@ def page_keys(tokens: Tokens, page_size: int, *, seed: Seed = DEFAULT_SEED, salt
     encodes seed and salt, so passing ``salt`` together with ``parent`` is an error.
     """
     _check_page_size(page_size)
-    if parent is not None:
-        if salt is not None:
-            raise ValueError("parent already encodes the salt; pass one of parent / salt")
-        start = _check_key(parent)
-    else:
-        start = root_key(seed, salt)
+    start = _chain_start(seed, salt, parent)
     enc = encode_tokens(tokens)
     n_pages = len(enc) // (8 * page_size)
     return _chain(start, enc, 8 * page_size, n_pages)
