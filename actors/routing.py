@@ -79,6 +79,9 @@ class PrefixIndex:
         # no value object of its own and a walk reads values that stay in cache. Cleared when it grows
         # past _MASKS_MAX (the tables keep working; only the sharing is lost until values repeat again).
         self._masks: dict[int, int] = {}
+        # slots that stored a page since their last drop: dropping any other holder is a no-op, not a
+        # scan (a fresh report and the forget that follows it each drop the same worker)
+        self._stored: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._full)
@@ -121,6 +124,8 @@ class PrefixIndex:
                 return            # it never stored anything: nothing to remove
             slot = self._slots[worker] = len(self._slots)
         bit = 1 << (3 * slot + rank)
+        if stored:
+            self._stored.add(slot)
         get, masks = table.get, self._masks
         if len(masks) > _MASKS_MAX:
             masks.clear()
@@ -153,8 +158,9 @@ class PrefixIndex:
         (in either table). Scans both tables (rare: a worker's death, a flush). The worker keeps its
         slot (a slot is never reused)."""
         slot = self._slots.get(worker)
-        if slot is None:
+        if slot not in self._stored:
             return 0
+        self._stored.discard(slot)
         mask = 7 << (3 * slot)
         keep = ~mask
         held: set[int] = set()
