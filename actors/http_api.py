@@ -29,15 +29,6 @@ def build_app(backend: Backend, metrics: Metrics | None = None, max_inflight: in
     fe = Frontend(backend, metrics, max_inflight)
     app.state.frontend = fe     # the ingress's drain() reaches it here
 
-    @app.middleware("http")
-    async def _json_bodies(request: Request, call_next):
-        # `curl -d '{...}'` sends form encoding by default; every POST body of this API is JSON.
-        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if request.method == "POST" and ctype in ("", "application/x-www-form-urlencoded"):
-            request.scope["headers"] = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"] \
-                + [(b"content-type", b"application/json")]
-        return await call_next(request)
-
     @app.exception_handler(RequestValidationError)
     async def _invalid(req: Request, exc: RequestValidationError):
         errs = oe.problems(exc.errors())

@@ -1,7 +1,12 @@
 """A bound on request body size for the HTTP API: a body over the limit gets 413 before any of it is
 parsed, whether the client declared its length or streams it chunked. Every request body of this API is
 a small JSON document (a prompt of at most the model's context), so the body is read whole here and
-replayed to the app: nothing downstream ever holds more than the limit."""
+replayed to the app: nothing downstream ever holds more than the limit. A POST body without a JSON
+content type (`curl -d '{...}'` sends form encoding by default) is declared JSON here, since every POST
+body of this API is.
+
+Plain ASGI, not a Starlette ``BaseHTTPMiddleware``: that one runs the app in a task group of its own with
+memory streams between, a cost every request and every streamed chunk would pay."""
 from __future__ import annotations
 
 import json
@@ -25,7 +30,12 @@ class BodyLimit:
         if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
-        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        headers = dict(scope.get("headers") or ())
+        if scope.get("method") == "POST" and \
+                headers.get(b"content-type", b"").split(b";")[0].strip().lower() in (b"", b"application/x-www-form-urlencoded"):
+            scope = {**scope, "headers": [(k, v) for k, v in scope.get("headers") or () if k != b"content-type"]
+                     + [(b"content-type", b"application/json")]}
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             await self._too_large(send, int(declared))
             return

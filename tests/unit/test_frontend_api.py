@@ -138,6 +138,18 @@ def test_errors_in_openai_shape(oai, http):
     assert r.status_code == 200, r.text
 
 
+def test_bodies_form_encoded_means_json_and_oversized_is_413(http):
+    # curl -d sends form encoding by default (or no content type at all): still a JSON body here
+    body = b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}'
+    for ctype in ("application/x-www-form-urlencoded", None):
+        r = http.post("/generate", content=body, headers={"content-type": ctype} if ctype else {})
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 2, r.text
+    r = http.post("/generate", content=b"{" + b" " * (4 << 20) + b"}", headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "exceed the limit" in r.json()["error"]["message"]
+    r = http.post("/generate", content=b"\xff\xfe{not json", headers={"content-type": "application/json"})
+    assert 400 <= r.status_code < 500
+
+
 def test_sglang_generate_schema(http):
     r = http.post("/generate", json={"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": {
         "max_new_tokens": 3, "n": 2, "temperature": 1.0}, "rid": ["a", "b"]}).json()
