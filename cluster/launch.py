@@ -27,20 +27,20 @@ RAY_ENV = {
 }
 
 
-def front_env(front: str = "haproxy") -> dict[str, str]:
+def front_env(front: str = "haproxy", tmpdir: str | None = None) -> dict[str, str]:
     """The environment of Ray's processes for the HTTP front ``front`` (ServerConfig.front). Ray Serve reads
     it when its controller, proxies and replicas start, so it must be in place before Ray starts (the raylet
     passes it on): ``start_local_ray`` sets it, ``ray start`` takes it from its caller, KubeRay's pods from
-    the manifests' env."""
+    the manifests' env. ``tmpdir``: the cluster's temp dir (default RAY_TMPDIR, else /tmp)."""
     if front == "serve_proxy":
         return {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
     # Ray's defaults would have two clusters on one machine (tests, a bench beside `make run`) collide:
     # fixed ports HAProxy binds on all interfaces (its Prometheus exporter 9101, its stats page 8404) and the
     # fallback Serve proxy's 8500, so each start takes free ones. Its files go under the cluster's temp dir
     # (Ray nests them per node id), unless that makes a Unix socket path too long.
-    tmp = os.environ.get("RAY_TMPDIR") or "/tmp"
-    base = os.path.join(tmp, "haproxy-serve")
-    if len(base) + 70 > 107:            # + "/<56-hex node id>/metrics.sock"; a socket path has 107 bytes
+    tmp = tmpdir or os.environ.get("RAY_TMPDIR") or "/tmp"
+    base = os.path.join(tmp, "hap")
+    if len(base) + 70 > 97:     # + "/<56-hex node id>/metrics.sock"; HAProxy takes socket paths up to 97 bytes
         base = "/tmp/haproxy-serve"
     return {
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
