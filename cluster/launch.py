@@ -178,7 +178,34 @@ def deploy(cfg: ClusterConfig, detached: bool = False, ready_timeout: float = 12
         start_proxy(cfg)
     handles = start_actors(cfg, detached=detached, ready_timeout=ready_timeout)
     run_app(ingress_app(cfg, handles))
+    wait_serving(cfg, ready_timeout)
     return handles
+
+
+def wait_serving(cfg: ClusterConfig, timeout: float = 60.0) -> bool:
+    """Until GET /health on the server's port answers 200, i.e. the front routes to the ingress: HAProxy
+    learns a new replica with its next reload (a fraction of a second after Serve reports it), and until
+    then it answers 503 "starting" where Serve's proxy used to hold the request. False (and a note) if
+    it does not within ``timeout`` s, or if this process cannot reach the port."""
+    import urllib.error
+    import urllib.request
+    s = cfg.server
+    host = "127.0.0.1" if s.host in ("0.0.0.0", "::", "") else s.host
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://{host}:{s.port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return True
+        except urllib.error.HTTPError as e:
+            last = f"{e.code}"
+        except OSError as e:
+            last = f"{type(e).__name__}"
+        time.sleep(0.05)
+    print(f"strata: http://{host}:{s.port}/health did not answer 200 in {timeout:g}s (last: {last})",
+          file=sys.stderr, flush=True)
+    return False
 
 
 def start_serve(cfg: ClusterConfig) -> None:
@@ -472,6 +499,7 @@ def _deploy_or_adopt(cfg: ClusterConfig, detached: bool, if_exists: str,
     old = set(ingress_replicas())
     run_app(ingress_app(cfg, handles))
     wait_replaced(old)
+    wait_serving(cfg, 30.0)
     phases.mark("ingress")
     print(f"strata: start-up {phases.report()}", flush=True)
     owned = not existing
