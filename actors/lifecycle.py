@@ -98,11 +98,26 @@ def starting_instead_of_no_route(template: str) -> str:
     return out
 
 
+# Ray's template binds HAProxy's Prometheus exporter and stats page on every interface, whatever
+# http_options.host says; strata's local clusters keep everything on loopback (cluster/launch.py RAY_ENV).
+_ALL_INTERFACES = (("bind :{{ config.metrics_port }}", "bind {{ config.frontend_host }}:{{ config.metrics_port }}"),
+                   ("bind *:{{ config.stats_port }}", "bind {{ config.frontend_host }}:{{ config.stats_port }}"))
+
+
+def strata_haproxy_template(template: str) -> str:
+    """Ray's HAProxy config template as strata runs it: ``starting_instead_of_no_route``, and HAProxy's
+    side listeners bound where its HTTP front is (loopback for `make run`, every interface on a pod)."""
+    out = starting_instead_of_no_route(template)
+    for old, new in _ALL_INTERFACES:
+        out = out.replace(old, new)
+    return out
+
+
 def haproxy_no_route_is_starting() -> None:
     """Serve controller callback (RAY_SERVE_CONTROLLER_CALLBACK_IMPORT_PATH, set by cluster/launch.py's
     front_env for the haproxy front). The controller calls it before it creates the per-node
     HAProxyManager actors, which render HAProxy's config and run it in their own processes: it swaps in a
-    subclass that rewrites the template there first (``starting_instead_of_no_route``). On a Ray whose
+    subclass that rewrites the template there first (``strata_haproxy_template``). On a Ray whose
     template differs it changes nothing and logs why: /health then answers HAProxy's 404 until the
     placeholder is routed (a second or two)."""
     import ray
@@ -119,7 +134,7 @@ def haproxy_no_route_is_starting() -> None:
             # In the actor's process, before the base class renders the first config and starts HAProxy.
             from ray.serve._private import haproxy as hap
             if _NO_ROUTE_404.search(hap.HAPROXY_CONFIG_TEMPLATE):
-                hap.HAPROXY_CONFIG_TEMPLATE = starting_instead_of_no_route(hap.HAPROXY_CONFIG_TEMPLATE)
+                hap.HAPROXY_CONFIG_TEMPLATE = strata_haproxy_template(hap.HAPROXY_CONFIG_TEMPLATE)
             super().__init__(*args, **kwargs)
 
     # Ray's tools (`ray list actors`, Serve's own checks) know the proxies by this class name.

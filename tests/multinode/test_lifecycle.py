@@ -108,13 +108,13 @@ def test_without_an_haproxy_binary_the_error_names_the_switch(monkeypatch):
 def test_haproxy_answers_starting_for_a_path_no_app_routes(tmp_path, monkeypatch):
     """Ray's own HAProxy config, as its HAProxyManager renders it before any application is deployed, with
     the no-route answer rewritten, run by Ray's HAProxy binary: /health (any path) is 503 STARTING in JSON;
-    HAProxy's own /-/healthz and /-/routes are untouched."""
+    HAProxy's own /-/healthz is untouched; its side listeners (Prometheus, stats) are on loopback too."""
     from ray.serve._private import haproxy
     from ray.serve.config import HTTPOptions
-    from actors.lifecycle import starting_instead_of_no_route
+    from actors.lifecycle import strata_haproxy_template
     from tests.util import free_port
 
-    monkeypatch.setattr(haproxy, "HAPROXY_CONFIG_TEMPLATE", starting_instead_of_no_route(haproxy.HAPROXY_CONFIG_TEMPLATE))
+    monkeypatch.setattr(haproxy, "HAPROXY_CONFIG_TEMPLATE", strata_haproxy_template(haproxy.HAPROXY_CONFIG_TEMPLATE))
     port = free_port()
     d = tempfile.mkdtemp(prefix="hap", dir="/tmp")
     try:
@@ -140,6 +140,9 @@ def test_haproxy_answers_starting_for_a_path_no_app_routes(tmp_path, monkeypatch
             assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json() == STARTING
             hz = httpx.get(f"http://127.0.0.1:{port}/-/healthz", timeout=5)
             assert (hz.status_code, hz.text) == (200, "success")
+            conf = open(f"{d}/haproxy.cfg").read()
+            assert f"bind 127.0.0.1:{api.cfg.metrics_port}\n" in conf and f"bind 127.0.0.1:{api.cfg.stats_port}\n" in conf
+            assert httpx.get(f"http://127.0.0.1:{api.cfg.metrics_port}/metrics", timeout=5).status_code == 200
         finally:
             proc.kill()
             proc.wait(10)
