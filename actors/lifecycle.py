@@ -121,10 +121,10 @@ def haproxy_no_route_is_starting() -> None:
     template differs it changes nothing and logs why: /health then answers HAProxy's 404 until the
     placeholder is routed (a second or two)."""
     import ray
-    from ray.serve._private import controller, haproxy
     try:
+        from ray.serve._private import controller, haproxy
         starting_instead_of_no_route(haproxy.HAPROXY_CONFIG_TEMPLATE)
-    except ValueError as e:
+    except (ImportError, AttributeError, ValueError) as e:
         logging.getLogger("ray.serve").warning("strata: HAProxy keeps its no-route 404: %s", e)
         return
     base = haproxy.HAProxyManager.__ray_actor_class__

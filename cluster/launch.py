@@ -404,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.model or args.served_model_name:
             cfg = with_model(cfg, args.model or cfg.engine.model, args.served_model_name)
         resolve_model_path(cfg.engine.model)     # a bad path is an error here, not in every worker
+        if cfg.server.front == "haproxy" and not (args.address or cfg.ray.address or os.environ.get("RAY_ADDRESS")):
+            check_haproxy()     # the cluster this launch starts runs it (a joined one: its nodes do)
     except ValueError as e:
         print(f"strata: {e}", file=sys.stderr)
         return 2
