@@ -94,15 +94,15 @@ def test_front_env_gives_each_cluster_its_own_ports_and_files(monkeypatch):
     assert os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
 
 
-def test_without_an_haproxy_binary_the_error_names_the_switch(monkeypatch):
-    from cluster import launch
-    from ray.serve._private import haproxy
-
-    def missing():
-        raise FileNotFoundError("Could not find an HAProxy binary.")
-    monkeypatch.setattr(haproxy, "get_haproxy_binary", missing)
-    with pytest.raises(ValueError, match="server.front: serve_proxy"):
-        launch.check_haproxy()
+def test_without_an_haproxy_binary_the_error_names_the_switch():
+    # Ray takes the binary from RAY_SERVE_HAPROXY_BINARY_PATH before its bundled one: a path to nothing is
+    # a machine without HAProxy. The launch says so in one line, before it starts Ray.
+    env = {**os.environ, "RAY_SERVE_HAPROXY_BINARY_PATH": "/nonexistent/haproxy",
+           "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    env.pop("RAY_ADDRESS", None)
+    r = subprocess.run([sys.executable, "-m", "cluster.launch"], env=env, cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "server.front: serve_proxy" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_haproxy_answers_starting_for_a_path_no_app_routes(tmp_path, monkeypatch):
