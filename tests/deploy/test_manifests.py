@@ -171,6 +171,12 @@ def test_configmap_cluster_yaml_loads_and_matches_the_pods(overlay):
     assert cfg.server.host == "0.0.0.0"
     assert cfg.ray.address == "auto"
     for name, group in g.items():
+        # Ray takes the HTTP front from the nodes' environment, not from the YAML: every pod's must match it.
+        env = {e["name"]: e.get("value") for e in group["template"]["spec"]["containers"][0].get("env", [])}
+        haproxy = cfg.server.front == "haproxy"
+        assert env.get("RAY_SERVE_ENABLE_HA_PROXY", "0") == ("1" if haproxy else "0"), name
+        if haproxy:
+            assert env["RAY_SERVE_CONTROLLER_CALLBACK_IMPORT_PATH"] == "actors.lifecycle:haproxy_no_route_is_starting"
         m = mounts(group)
         assert m[CONFIG_MOUNT]["configMap"]["name"] == "strata-config" and m[CONFIG_MOUNT]["readOnly"], name
         assert m["/dev/shm"]["emptyDir"]["medium"] == "Memory", name

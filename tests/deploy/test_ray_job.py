@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.launch import RAY_ENV
+from cluster.launch import RAY_ENV, front_env
 from tests.util import free_port, processes_started_under, stop_processes_started_under
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +27,9 @@ def test_ray_job_submit_serves_a_request_and_reruns_adopt_or_replace(tmp_path):
     bin_dir = Path(sys.executable).parent
     # PYTHONPATH: the cluster's own processes (Serve's proxy imports actors.lifecycle's middleware) take
     # this checkout, not whichever one the venv's editable install points at.
-    env = {**os.environ, **RAY_ENV, "RAY_TMPDIR": ray_tmp, "PYTHONPATH": str(ROOT)}
+    # front_env: the nodes of a cluster started with `ray start` take the HTTP front from their environment
+    # (HAProxy, with this cluster's own ports and files).
+    env = {**os.environ, **RAY_ENV, **front_env("haproxy", ray_tmp), "RAY_TMPDIR": ray_tmp, "PYTHONPATH": str(ROOT)}
     env.pop("RAY_ADDRESS", None)
     gcs, dash, http, agent, client = free_port(), free_port(), free_port(), free_port(), free_port()
     cfg = tmp_path / "job.yaml"

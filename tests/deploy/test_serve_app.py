@@ -5,6 +5,7 @@ config file (the cpu-tiny ConfigMap's YAML with a temp L3 directory), the HTTP p
 127.0.0.1) and the Ray namespace."""
 from __future__ import annotations
 
+import os
 import time
 
 import httpx
@@ -14,7 +15,7 @@ from cluster import launch  # noqa: F401  (sets the Ray environment: loopback, n
 from cluster.config import load_config
 from tests.deploy.test_manifests import MANIFESTS
 from tests.deploy.kustomize_lite import render
-from tests.util import free_port
+from tests.util import _processes, free_port
 
 
 def _get(url: str, deadline: float) -> httpx.Response:
@@ -46,6 +47,10 @@ def test_rayservice_application_serves_health_and_models(tmp_path):
     serve_cfg = yaml.safe_load(objs[("RayService", "strata-serve")]["spec"]["serveConfigV2"])
     serve_cfg["http_options"] = {"host": "127.0.0.1", "port": port}
     serve_cfg["applications"][0]["args"]["config"] = str(config_file)
+    # Two ingress replicas, as a RayService may scale them: HAProxy (launch.front_env's default front)
+    # spreads the connections over both, each serving HTTP itself.
+    ingress = next(d for d in serve_cfg["applications"][0]["deployments"] if d["name"] == "ingress")
+    ingress["num_replicas"] = 2
 
     # As cluster/launch.py init_ray starts a local cluster, plus the custom resources the prefill and
     # decode pods declare (workers.role_resources is on in the manifests).
@@ -63,6 +68,21 @@ def test_rayservice_application_serves_health_and_models(tmp_path):
         models = _get(f"http://127.0.0.1:{port}/v1/models", deadline)
         assert models.status_code == 200
         assert [m["id"] for m in models.json()["data"]] == [cfg.server.model_name]
+        # Both replicas up, and requests on fresh connections (HAProxy balances per connection) all served.
+        deadline = time.monotonic() + 120
+        while serve.status().applications["strata"].deployments["ingress"].replica_states.get("RUNNING") != 2:
+            assert time.monotonic() < deadline, serve.status()
+            time.sleep(0.5)
+        for _ in range(8):
+            r = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=60,
+                           json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+            assert r.status_code == 200 and len(r.json()["output_ids"]) == 2, r.text
+        # The front is HAProxy, run with this cluster's config, and it answers the probe KubeRay sends to
+        # port 8000 of the pods (GET /-/healthz, expecting "success").
+        conf_dir = os.path.dirname(os.environ["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"])
+        assert any("haproxy" in cmd and f" {conf_dir}/" in cmd for _, cmd in _processes().values())
+        hz = httpx.get(f"http://127.0.0.1:{port}/-/healthz", timeout=10)
+        assert hz.status_code == 200 and hz.text == "success", hz.text
         # The workers are the named, detached actors of the configured namespace, each on the node
         # resource of its role.
         for wid in ("prefill-0", "decode-0"):

@@ -64,6 +64,92 @@ def test_the_proxys_404_for_a_route_it_does_not_know_yet_is_503_starting():
         assert sent[0]["status"] == status and sent[1]["body"] == b"x"
 
 
+def test_config_front_is_haproxy_or_serve_proxy():
+    assert from_text("").server.front == "haproxy"
+    assert from_text("server: {front: serve_proxy}").server.front == "serve_proxy"
+    with pytest.raises(ValueError, match="server.front"):
+        from_text("server: {front: nginx}")
+
+
+def test_front_env_gives_each_cluster_its_own_ports_and_files(monkeypatch):
+    from cluster import launch
+    a, b = launch.front_env("haproxy", "/tmp/slcA"), launch.front_env("haproxy", "/tmp/slcB")
+    assert a["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and a["RAY_SERVE_HAPROXY_SOCKET_PATH"].startswith("/tmp/slcA/")
+    ports = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
+    assert len({a[k] for k in ports} | {b[k] for k in ports}) == 6
+    # A temp dir too long for HAProxy's socket paths (97 bytes with Ray's per-node directory) falls back.
+    assert launch.front_env("haproxy", "/tmp/" + "x" * 40)["RAY_SERVE_HAPROXY_SOCKET_PATH"].startswith("/tmp/haproxy-serve/")
+    assert launch.front_env("serve_proxy") == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    # set_front_env replaces what it set before, keeps what the user set, and drops the other front's keys.
+    monkeypatch.setattr(launch, "_front_keys", set())
+    for k in launch.front_env("haproxy"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "18404")
+    launch.set_front_env("haproxy", check=False)
+    first = os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"]
+    launch.set_front_env("haproxy", check=False)
+    assert os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404" and os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"] != first
+    launch.set_front_env("serve_proxy")
+    assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "0" and "RAY_SERVE_HAPROXY_METRICS_PORT" not in os.environ
+    assert os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
+
+
+def test_without_an_haproxy_binary_the_error_names_the_switch():
+    # Ray takes the binary from RAY_SERVE_HAPROXY_BINARY_PATH before its bundled one: a path to nothing is
+    # a machine without HAProxy. The launch says so in one line, before it starts Ray.
+    env = {**os.environ, "RAY_SERVE_HAPROXY_BINARY_PATH": "/nonexistent/haproxy",
+           "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    env.pop("RAY_ADDRESS", None)
+    r = subprocess.run([sys.executable, "-m", "cluster.launch"], env=env, cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "server.front: serve_proxy" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_haproxy_answers_starting_for_a_path_no_app_routes(tmp_path, monkeypatch):
+    """Ray's own HAProxy config, as its HAProxyManager renders it before any application is deployed, with
+    the no-route answer rewritten, run by Ray's HAProxy binary: /health (any path) is 503 STARTING in JSON;
+    HAProxy's own /-/healthz is untouched; its side listeners (Prometheus, stats) are on loopback too."""
+    from ray.serve._private import haproxy
+    from ray.serve.config import HTTPOptions
+    from actors.lifecycle import strata_haproxy_template
+    from tests.util import free_port
+
+    monkeypatch.setattr(haproxy, "HAPROXY_CONFIG_TEMPLATE", strata_haproxy_template(haproxy.HAPROXY_CONFIG_TEMPLATE))
+    port = free_port()
+    d = tempfile.mkdtemp(prefix="hap", dir="/tmp")
+    try:
+        api = haproxy.HAProxyApi(haproxy.HAProxyConfig(
+            http_options=HTTPOptions(host="127.0.0.1", port=port), socket_path=f"{d}/admin.sock",
+            server_state_base=d, server_state_file=f"{d}/state", metrics_port=free_port(),
+            stats_port=free_port(), metrics_socket_path=f"{d}/metrics.sock", metrics_enabled=False,
+            is_head=True, has_received_routes=True), config_file_path=f"{d}/haproxy.cfg")
+        api._generate_config_file_internal()
+        proc = subprocess.Popen([haproxy.get_haproxy_binary(), "-db", "-f", f"{d}/haproxy.cfg"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+                    break
+                except httpx.TransportError:
+                    assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()
+                    time.sleep(0.1)
+            assert r.status_code == 503 and r.json() == STARTING and r.headers["retry-after"] == "2"
+            assert r.headers["content-type"] == "application/json"
+            assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json() == STARTING
+            hz = httpx.get(f"http://127.0.0.1:{port}/-/healthz", timeout=5)
+            assert (hz.status_code, hz.text) == (200, "success")
+            conf = open(f"{d}/haproxy.cfg").read()
+            assert f"bind 127.0.0.1:{api.cfg.metrics_port}\n" in conf and f"bind 127.0.0.1:{api.cfg.stats_port}\n" in conf
+            assert httpx.get(f"http://127.0.0.1:{api.cfg.metrics_port}/metrics", timeout=5).status_code == 200
+        finally:
+            proc.kill()
+            proc.wait(10)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def test_signals_raise_while_starting_then_only_count():
     from cluster.lifecycle import Signals, Stopped
 

