@@ -188,6 +188,7 @@ class ChannelClient:
         self._acked = asyncio.get_running_loop().create_future()
         self._reader = asyncio.ensure_future(self._read())
         self.dropped = 0   # items that came for no open request
+        self.received_messages = 0
         self.closed = False
 
     async def ready(self, timeout: float) -> None:
@@ -213,6 +214,7 @@ class ChannelClient:
                     if not self._acked.done():
                         self._acked.set_result(None)
                     continue
+                self.received_messages += 1
                 try:
                     items = decode_items(kind, frames[1])
                 except msgspec.ValidationError as e:   # a field of another type than the wire's: a bug, said loudly
