@@ -180,9 +180,13 @@ def test_a_non_streamed_request_survives_its_decode_worker_dying(cluster, refere
     ids = [9, 8, 7, 6]
     want = reference.generate([ids], SamplingParams(max_new_tokens=400, ignore_eos=True, return_logits=True))[0]
 
-    def kill_soon():
-        time.sleep(1.0)
-        ray.kill(cluster["workers"]["decode-0"], no_restart=False)
+    def kill_soon():   # once the request decodes there (a fixed delay may outlast it and hit the next test)
+        dec = cluster["workers"]["decode-0"]
+        deadline = time.monotonic() + 60
+        while ray.get(dec.load.remote())["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        ray.kill(dec, no_restart=False)
 
     import threading
     threading.Thread(target=kill_soon, daemon=True).start()
