@@ -271,9 +271,10 @@ async def request_items(q: asyncio.Queue, timeout: float, grace: float) -> Async
         if not q.empty():
             x = q.get_nowait()
         else:
-            try:
-                x = await asyncio.wait_for(q.get(), grace if over else timeout)
-            except asyncio.TimeoutError:
+            try:   # a timer, not wait_for's task per item
+                async with asyncio.timeout(grace if over else timeout):
+                    x = await q.get()
+            except TimeoutError:
                 if over:
                     raise ChannelLost(f"the call returned, and its last item did not come in {grace:.0f}s") from None
                 raise
