@@ -41,7 +41,7 @@ from engine.sampling import TokenLogprob
 log = logging.getLogger("strata.token_channel")
 
 HELLO, ACK, ITEMS, PICKLED = b"H", b"A", b"I", b"P"
-_HELLO_POLL_S = 0.05   # the server's hello thread: at most this late when a send consumed the FD's edge
+_HELLO_POLL_S = 0.1    # the server's hello thread: at most this late when a send consumed the FD's edge
 
 
 class StaleChannel(Exception):
