@@ -189,7 +189,9 @@ class RayBackend:
     async def _channel(self, worker: str) -> ChannelClient:
         c = self._channels.get(worker)
         if c is not None and not c.closed:
-            return c
+            if c.loop is asyncio.get_running_loop():
+                return c
+            self._drop_channel(worker, c)   # opened on another event loop (one that has ended): its reader is gone
         pending = self._connecting.get(worker)
         if pending is None:   # one connection per worker, however many requests wait for it
             pending = self._connecting[worker] = asyncio.ensure_future(self._connect(worker))
@@ -209,6 +211,14 @@ class RayBackend:
         self._drop_channel(worker)
         self._channels[worker] = c
         return c
+
+    def close_channels(self) -> None:
+        """Close every token channel of this replica (its sockets, then their ZMQ context)."""
+        for w in list(self._channels):
+            self._drop_channel(w)
+        if self._zmq is not None:
+            self._zmq.destroy(linger=0)
+            self._zmq = None
 
     def _drop_channel(self, worker: str, client: ChannelClient | None = None) -> None:
         """Close ``worker``'s channel (only if it is still ``client``, when given)."""

@@ -185,7 +185,8 @@ class ChannelClient:
         self._sock.connect(endpoint)
         self._queues: dict[int, asyncio.Queue] = {}
         self._keys = itertools.count()
-        self._acked = asyncio.get_running_loop().create_future()
+        self.loop = asyncio.get_running_loop()   # the reader's: a client serves requests on this loop only
+        self._acked = self.loop.create_future()
         self._reader = asyncio.ensure_future(self._read())
         self.dropped = 0   # items that came for no open request
         self.received_messages = 0
@@ -243,7 +244,10 @@ class ChannelClient:
         if self.closed:
             return
         self.closed = True
-        self._reader.cancel()
+        try:
+            self._reader.cancel()
+        except RuntimeError:   # its loop is closed already: so is the reader
+            pass
         self._sock.close(linger=0)
 
 

@@ -144,6 +144,25 @@ def test_health_models_metrics(cluster):
         assert sum(f'kind="{kind}"' in line for line in lb) == len(workers), lb
 
 
+def test_a_client_that_leaves_mid_stream_frees_the_decode_worker_at_once(cluster):
+    """The stream's tokens come over the token channel; the client leaving cancels the request's one Ray
+    call, which aborts it on the decode worker: nothing keeps decoding for nobody."""
+    dec = cluster["workers"]["decode-0"]
+    body = {"input_ids": [7, 7, 7], "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}, "stream": True}
+    with httpx.stream("POST", f"{cluster['url']}/generate", json=body, timeout=60) as resp:
+        got = 0
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                got += 1
+                if got == 3:
+                    assert ray.get(dec.load.remote())["running"] == 1
+                    break
+    deadline = time.monotonic() + 3.0   # 3000 tokens would take far longer
+    while ray.get(dec.load.remote())["running"]:
+        assert time.monotonic() < deadline, "the decode worker still runs the abandoned request"
+        time.sleep(0.02)
+
+
 def test_killing_the_decode_worker_mid_stream_gives_a_clean_error_and_it_comes_back(cluster):
     url = cluster["url"]
     body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
