@@ -171,8 +171,8 @@ class RayBackend:
             finished = False
             try:
                 async for item in request_items(q, self.timeout, CHANNEL_GRACE_S):
-                    yield item
                     finished = item.finished
+                    yield item
                 return
             except ray.exceptions.RayTaskError as e:
                 if isinstance(e.cause, StaleChannel) and attempt == 0:

@@ -260,14 +260,16 @@ def test_engine_to_client_over_a_socket(core, server):
         sp = SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=True, top_logprobs=2)
         direct = [i async for i in core.generate([3, 1, 4, 1, 5], sp)]
         key, q = c.open()
-        call = asyncio.ensure_future(settle(_run(core.generate([3, 1, 4, 1, 5], sp, route=server.route(c.identity, key))), q))
+        route = server.route(c.identity, key)
+        call = asyncio.ensure_future(settle(_run(core.generate([3, 1, 4, 1, 5], sp, route=route)), q))
         got = await _drain(q)
         await call
         c.close()
         ctx.term()
         return direct, got
     direct, got = asyncio.run(main())
-    strip = lambda items: [(i.token_ids, i.logprobs, i.finished, i.finish_reason, i.prompt_tokens) for i in items]  # noqa: E731
+    def strip(items):
+        return [(i.token_ids, i.logprobs, i.finished, i.finish_reason, i.prompt_tokens) for i in items]
     assert strip(got) == strip(direct) and got[-1].finished
 
 
