@@ -1,13 +1,16 @@
 """HTTP ingress: a Ray Serve deployment whose FastAPI app (actors/http_api.py) serves from the cluster:
 the router picks a prefill worker (and a decode worker), the decode worker leases pages for the prompt's
 KV, the prefill worker sends the KV into them over the configured transfer backend (storage/transfer:
-Ray object store by default, NIXL or Mooncake), and tokens stream back."""
+Ray object store by default, NIXL or Mooncake), and tokens stream back over each worker's token channel
+(actors/token_channel.py: one ZMQ message per engine step, not a Ray object per token)."""
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, AsyncGenerator, AsyncIterator
+import uuid
+from typing import TYPE_CHECKING, AsyncGenerator, AsyncIterator, Callable
 
 import ray
+import zmq.asyncio
 from ray import serve
 from ray.actor import ActorHandle
 
@@ -19,6 +22,7 @@ from actors.prefix_router import Route
 from actors.routing import NoWorkerError, prompt_blocks
 from actors.metrics import Metrics
 from actors.served import Served, ServedStream
+from actors.token_channel import ChannelClient, ChannelLost, StaleChannel, request_items, settle
 from engine.async_engine import StreamItem
 from engine.model.loader import sampling_defaults
 from engine.model.tokenizer import TextTokenizer
@@ -44,6 +48,10 @@ class RayBackend:
         self.handoff = KVHandoff(self)
         hc = settings.engine.hicache if settings is not None else None
         self.l3_backend = hc.l3.backend if hc is not None and hc.l3 is not None else None   # cache reports
+        # Token channels, one per worker, opened on first use on the event loop that serves requests.
+        self._zmq: zmq.asyncio.Context | None = None
+        self._channels: dict[str, ChannelClient] = {}
+        self._connecting: dict[str, asyncio.Future] = {}
 
     def stream(self, ids: list[int], params: SamplingParams, avoid: tuple[str, ...] = (),
                pin: Served | None = None) -> ServedStream:
@@ -134,21 +142,90 @@ class RayBackend:
 
     async def decode_leased(self, decode: str, ids: list[int], lease_id: str, receipt: ReceiptRef,
                             params: SamplingParams) -> AsyncIterator[StreamItem]:
-        async for ref in self.workers[decode].decode_leased.remote(ids, lease_id, receipt, params):
-            yield await self._item(ref)
+        handle = self.workers[decode]
+        async for item in self._over_channel(
+                decode, lambda ch, key: handle.submit_leased.remote(ids, lease_id, receipt, params, ch, key)):
+            yield item
 
     def cancel(self, decode: str, lease_id: str) -> None:
         self.workers[decode].cancel.remote(lease_id)
 
     async def generate(self, worker: str, ids: list[int], params: SamplingParams) -> AsyncIterator[StreamItem]:
-        async for ref in self.workers[worker].generate.remote(ids, params):
-            yield await self._item(ref)
+        handle = self.workers[worker]
+        async for item in self._over_channel(worker, lambda ch, key: handle.submit.remote(ids, params, ch, key)):
+            yield item
 
-    async def _item(self, ref: ray.ObjectRef) -> StreamItem:
+    # ---- the token channel (actors/token_channel.py) --------------------------------------------------
+    async def _over_channel(self, worker: str, submit: Callable[[bytes, int], ray.ObjectRef]
+                            ) -> AsyncIterator[StreamItem]:
+        """One request on ``worker``: ``submit(channel, key)`` is its one Ray call, which returns once the
+        request is over (or fails: the worker died, the request was bad); its items arrive on the
+        channel meanwhile, the last one too. Closing this early cancels the call, which aborts the
+        request on the worker. A worker that restarted since the channel was opened says StaleChannel
+        before it runs anything: reconnected, submitted again, once."""
+        for attempt in (0, 1):
+            client = await self._channel(worker)
+            key, q = client.open()
+            ref = submit(client.identity, key)
+            asyncio.ensure_future(settle(ref, q))
+            finished = False
+            try:
+                async for item in request_items(q, self.timeout, CHANNEL_GRACE_S):
+                    finished = item.finished
+                    yield item
+                return
+            except ray.exceptions.RayTaskError as e:
+                if isinstance(e.cause, StaleChannel) and attempt == 0:
+                    self._drop_channel(worker, client)
+                    continue
+                raise _unwrap(e) from None
+            except ChannelLost as e:   # retried like a failed worker: the channel is not to be trusted
+                raise WorkerFailed(f"worker {worker}'s token channel: {e}", (worker,)) from None
+            finally:
+                client.release(key)
+                if not finished:   # the client left, a timeout (a no-op for a call that is over already)
+                    ray.cancel(ref)
+
+    async def _channel(self, worker: str) -> ChannelClient:
+        c = self._channels.get(worker)
+        if c is not None and not c.closed:
+            if c.loop is asyncio.get_running_loop():
+                return c
+            self._drop_channel(worker, c)   # opened on another event loop (one that has ended): its reader is gone
+        pending = self._connecting.get(worker)
+        if pending is None:   # one connection per worker, however many requests wait for it
+            pending = self._connecting[worker] = asyncio.ensure_future(self._connect(worker))
+            pending.add_done_callback(lambda _f: self._connecting.pop(worker, None))
+        return await asyncio.shield(pending)
+
+    async def _connect(self, worker: str) -> ChannelClient:
+        if self._zmq is None:
+            self._zmq = zmq.asyncio.Context()
+        endpoint = await asyncio.wait_for(self.workers[worker].token_channel.remote(), self.timeout)
+        c = ChannelClient(self._zmq, endpoint, uuid.uuid4().bytes)
         try:
-            return await asyncio.wait_for(ref, self.timeout)
-        except ray.exceptions.RayTaskError as e:
-            raise _unwrap(e) from None
+            await c.ready(CHANNEL_CONNECT_S)
+        except asyncio.TimeoutError:
+            c.close()
+            raise WorkerFailed(f"worker {worker}'s token channel at {endpoint} did not answer", (worker,)) from None
+        self._drop_channel(worker)
+        self._channels[worker] = c
+        return c
+
+    def close_channels(self) -> None:
+        """Close every token channel of this replica (its sockets, then their ZMQ context)."""
+        for w in list(self._channels):
+            self._drop_channel(w)
+        if self._zmq is not None:
+            self._zmq.destroy(linger=0)
+            self._zmq = None
+
+    def _drop_channel(self, worker: str, client: ChannelClient | None = None) -> None:
+        """Close ``worker``'s channel (only if it is still ``client``, when given)."""
+        c = self._channels.get(worker)
+        if c is not None and (client is None or c is client):
+            del self._channels[worker]
+            c.close()
 
     async def server_info(self) -> dict:
         """The settings SGLang's tooling reads from /get_server_info, under SGLang's names."""
@@ -192,6 +269,7 @@ class RayBackend:
         known = set(st["workers"])
         for w in [w for w in self.workers if w not in known]:
             del self.workers[w]
+            self._drop_channel(w)
         for w in known - set(self.workers):
             try:
                 self.workers[w] = await asyncio.get_running_loop().run_in_executor(None, self._lookup, w)
@@ -309,6 +387,12 @@ def eplb_gauges(st: dict) -> dict:
 def torch_sum_rows(rows: list) -> list:
     """[L][R] nested lists -> per-rank sums [R] (layers summed)."""
     return [sum(col) for col in zip(*rows)] if rows else []
+
+
+# How long the last item may lag the call that says the request is over (a channel that lost it is a
+# failed worker: retried like one), and how long a new channel may take to answer its hello.
+CHANNEL_GRACE_S = 10.0
+CHANNEL_CONNECT_S = 10.0
 
 
 def _unwrap(e: Exception) -> Exception:

@@ -22,6 +22,7 @@ import ray
 from ray.actor import ActorHandle
 
 from actors.ep_host import EPHost
+from actors.token_channel import ChannelServer
 from engine import Engine, EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine, StreamItem
 from storage.kv_events import (KVEventPublisher, KVEventsConfig, KVEventsEndpoint, StreamPosition, TreeEventStream,
@@ -55,6 +56,11 @@ class WorkerActor:
         # ep_size > 1: this process is rank 0 of the group, and the engine it serves is that rank's.
         self.ep = EPHost(engine_cfg, ep_size, ep_num_cpus, ep_num_gpus) if ep_size > 1 else None
         self.core = AsyncEngine(self.ep.engine if self.ep is not None else Engine(engine_cfg), worker_id)
+        # The ingress's requests (submit, submit_leased) stream their items over the token channel: one
+        # message per step and ingress replica (actors/token_channel.py), on this node's address as the
+        # KV events are.
+        self.channel = ChannelServer(channel_host(kv_events))
+        self.core.on_step = self.channel.send_step
         self.router = router
         self.report_interval = report_interval
         # A thread, started here, so a restarted actor reports again without anyone calling it.
@@ -89,6 +95,16 @@ class WorkerActor:
         if storage is not None and l3 is not None and hasattr(l3.store, "prefer_segment"):
             threading.Thread(target=self._l3_segment_loop, args=(storage, l3.store, l3_refresh_s),
                              name="strata-l3-segment", daemon=True).start()
+
+    def __ray_shutdown__(self) -> None:
+        """A graceful exit (Ray calls this): stop the threads, close the sockets."""
+        self._stop.set()
+        self.channel.close()
+        if self.kv_events is not None:
+            try:
+                self.kv_events.close()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
 
     async def start(self) -> dict:
         mc = self.core.engine.model_config
@@ -323,14 +339,17 @@ class WorkerActor:
         """Decode side: admit the request over ``lease_id``'s pages, which the backend fills from
         ``receipt`` (engine/pd.py), and stream tokens. A one-sided send's data is in place once its
         arrival is known: waited for here, off the engine thread."""
+        await self._await_arrival(lease_id, receipt)
+        async for item in self.core.decode_leased(ids, lease_id, receipt, params, time.monotonic(), self.transfer):
+            yield item
+
+    async def _await_arrival(self, lease_id: str, receipt: Receipt | None) -> None:
         if receipt is not None and self.transfer.one_sided:
             try:
                 await asyncio.to_thread(self.transfer.wait_arrival, lease_id, self.tcfg.transfer_timeout)
             except TransferError:
                 await self.cancel(lease_id)
                 raise
-        async for item in self.core.decode_leased(ids, lease_id, receipt, params, time.monotonic(), self.transfer):
-            yield item
 
     async def set_transfer_options(self, **changes) -> TransferConfig:
         """Test hook: change this worker's transfer timings (lease_seconds, transfer_timeout,
@@ -350,8 +369,30 @@ class WorkerActor:
 
     # ---- serving ---------------------------------------------------------------------------------
     async def generate(self, ids: list[int], params: SamplingParams) -> AsyncIterator[StreamItem]:
+        """Every item as a Ray streamed object (drivers, tests, benches; the ingress uses ``submit``)."""
         async for item in self.core.generate(ids, params):
             yield item
+
+    async def token_channel(self) -> str:
+        """Where this worker's token channel is (a ZMQ address); a restarted worker has a new one."""
+        return self.channel.endpoint
+
+    async def submit(self, ids: list[int], params: SamplingParams, channel: bytes, key: int) -> None:
+        """Run one request; its items go to the ingress ``channel`` (which said hello to this worker's token
+        channel, else StaleChannel) tagged ``key``, one message per step. Returns once the request is over
+        (its last item is on the channel); cancelling this call aborts it."""
+        route = self.channel.route(channel, key)
+        async for _last in self.core.generate(ids, params, route=route):
+            pass
+
+    async def submit_leased(self, ids: list[int], lease_id: str, receipt: Receipt | None, params: SamplingParams,
+                            channel: bytes, key: int) -> None:
+        """``decode_leased`` whose items go over the token channel, as ``submit``'s do."""
+        route = self.channel.route(channel, key)
+        await self._await_arrival(lease_id, receipt)
+        async for _last in self.core.decode_leased(ids, lease_id, receipt, params, time.monotonic(), self.transfer,
+                                                   route=route):
+            pass
 
     # ---- operations ------------------------------------------------------------------------------
     async def load(self) -> dict:
@@ -454,6 +495,14 @@ class WorkerActor:
                     key, kb = line.split()[:2]
                     info["rss_anon_bytes" if key == "RssAnon:" else "rss_bytes"] = int(kb) * 1024
         return info
+
+
+def channel_host(kv_events: KVEventsConfig | None) -> str:
+    """The address the token channel binds and advertises: the KV events' host where the cluster names
+    one, else (``auto``) this node's IP as Ray knows it (loopback on a local cluster)."""
+    if kv_events is not None and kv_events.host != "auto":
+        return kv_events.host
+    return ray.util.get_node_ip_address()
 
 
 def resolve_hosts(engine_cfg: EngineConfig, tcfg: TransferConfig | None):

@@ -448,6 +448,21 @@ def hops(n: int, name: str = "colocated", switch_interval: float | None = None) 
                     lat.append(time.perf_counter() - t)
                 out[name] = dist(lat, scale)
 
+            from actors.token_channel import ChannelClient, request_items, settle
+            import uuid
+            import zmq.asyncio
+            chan = ChannelClient(zmq.asyncio.Context(), ray.get(worker.token_channel.remote()), uuid.uuid4().bytes)
+            await chan.ready(10)
+
+            async def channel(k):   # what the ingress does: one submit, the items over the token channel
+                key, q = chan.open()
+                asyncio.ensure_future(settle(worker.submit.remote(long, sp(k), chan.identity, key), q))
+                items = 0
+                async for item in request_items(q, 60, 10):
+                    items += len(item.token_ids)
+                chan.release(key)
+                return items
+
             async def first(k):
                 gen = worker.generate.remote(long, sp(k))
                 items = 0
@@ -467,9 +482,11 @@ def hops(n: int, name: str = "colocated", switch_interval: float | None = None) 
                 await timed("worker.ping (bare actor call)", lambda: worker.ping.remote())
                 await timed("router.route (512-token keys)", lambda: router.route.remote(keys, len(long), []))
                 await timed("worker.generate stream, 1 new (cached 512)", lambda: first(1))
+                await timed("worker.submit + token channel, 1 new (cached 512)", lambda: channel(1))
                 await timed("HTTP GET /v1/models", lambda: http.get(f"{srv.url}/v1/models"))
                 await timed("HTTP /generate, 1 new (cached 512)", lambda: gen_http(1))
                 await timed("worker.generate stream, 64 new", lambda: first(64), max(3, n // 10), 1.0)
+                await timed("worker.submit + token channel, 64 new", lambda: channel(64), max(3, n // 10), 1.0)
                 await timed("HTTP /generate, 64 new", lambda: gen_http(64), max(3, n // 10), 1.0)
             return out
         return asyncio.run(run())

@@ -50,10 +50,13 @@ class PrefillResult(NamedTuple):
 
 @dataclass
 class _Sink:
-    """Where the engine thread puts one request's items, for a reader on ``loop``."""
+    """Where the engine thread puts one request's items, for a reader on ``loop``. With a ``route``, the
+    items go to ``AsyncEngine.on_step`` instead, batched per step, and only the last one to ``items`` too
+    (after its step's batch is handed on), so that the reader knows the request is over."""
     loop: asyncio.AbstractEventLoop
     items: asyncio.Queue
     payload: KVPayload | None = None   # a prefill-only request's export, set before its last item is put
+    route: Any = None
 
 
 class AsyncEngine:
@@ -73,6 +76,12 @@ class AsyncEngine:
         # until every worker of the cluster has flushed (actors/ingress.py); it lapses by itself if the
         # flush never comes (its caller died).
         self._held_until = 0.0
+        # Routed requests' items of the step in progress, handed to ``on_step`` once it is over: the caller's
+        # channel sends a step's items together (one message, not one per token). Set before any routed
+        # request; called on the engine thread, so it must not block.
+        self.on_step: Callable[[list[tuple[Any, StreamItem]]], None] | None = None
+        self._routed: list[tuple[Any, StreamItem]] = []
+        self._routed_last: list[tuple[_Sink, StreamItem]] = []
         self._thread = threading.Thread(target=self._run, name=f"strata-{name}", daemon=True)
         self._thread.start()
 
@@ -113,6 +122,27 @@ class AsyncEngine:
                     self._emit(o.rid, o.new_token_ids, o.finished, o)
                 if self.debug_integrity:
                     self._check(f"after step {self.steps}")
+            if self._routed or self._routed_last:   # a step's items, or a request finished by a command
+                self._flush_routed()
+
+    def _flush_routed(self) -> None:
+        routed, last = self._routed, self._routed_last
+        self._routed, self._routed_last = [], []
+        if routed:
+            try:
+                self.on_step(routed)
+            except Exception as e:  # noqa: BLE001 - the channel closing (shutdown) must not stop the engine
+                log.warning("handing a step's items on failed: %r", e)
+        for sink, item in last:
+            sink.loop.call_soon_threadsafe(sink.items.put_nowait, item)
+
+    def _put(self, sink: _Sink, item: StreamItem) -> None:
+        if sink.route is None:
+            sink.loop.call_soon_threadsafe(sink.items.put_nowait, item)
+            return
+        self._routed.append((sink.route, item))
+        if item.finished:
+            self._routed_last.append((sink, item))
 
     def _check(self, when: str) -> None:
         try:
@@ -139,15 +169,15 @@ class AsyncEngine:
             stream.payload = req.kv_payload
             item.matched_stop = out.matched_stop
             self._streams.pop(rid, None)
-        stream.loop.call_soon_threadsafe(stream.items.put_nowait, item)
+        self._put(stream, item)
 
     def _fail_all(self, msg: str) -> None:
         for rid in list(self._streams):
             if rid in self.engine.requests:
                 self.engine.abort(rid)
                 self.engine.pop_finished(rid)
-            sink = self._streams.pop(rid)
-            sink.loop.call_soon_threadsafe(sink.items.put_nowait, StreamItem(rid, [], True, "error", error=msg))
+            self._put(self._streams.pop(rid), StreamItem(rid, [], True, "error", error=msg))
+        self._flush_routed()
 
     def call(self, fn: Callable[[Engine], Any]) -> "asyncio.Future":
         """Run ``fn(engine)`` on the engine thread; the result (or exception) comes back as a future."""
@@ -216,9 +246,19 @@ class AsyncEngine:
     def new_rid(self, prefix: str = "r") -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    def generate(self, prompt, params: SamplingParams, rid: str | None = None) -> AsyncIterator[StreamItem]:
+    def _sink(self, route: Any) -> _Sink | None:
+        if route is None:
+            return None
+        if self.on_step is None:
+            raise ValueError("a routed request needs on_step (where its items go)")
+        return _Sink(asyncio.get_running_loop(), asyncio.Queue(), route=route)
+
+    def generate(self, prompt, params: SamplingParams, rid: str | None = None,
+                 route: Any = None) -> AsyncIterator[StreamItem]:
+        """The request's items; with a ``route``, they go to ``on_step`` tagged with it and this yields only
+        the last (closing it early aborts the request all the same)."""
         rid = rid or self.new_rid()
-        return self._stream(rid, lambda e: e.add_request(prompt, params, rid))
+        return self._stream(rid, lambda e: e.add_request(prompt, params, rid), self._sink(route))
 
     async def prefill(self, prompt, params: SamplingParams, rid: str | None = None) -> PrefillResult:
         """Compute the prompt and its first token only, keeping the prompt's KV for a decode engine (a
@@ -232,11 +272,12 @@ class AsyncEngine:
         return PrefillResult(last, sink.payload)
 
     def decode_leased(self, prompt, lease_id: str, rec: Receipt | None, params: SamplingParams, now: float,
-                      backend: TransferBackend, rid: str | None = None) -> AsyncIterator[StreamItem]:
+                      backend: TransferBackend, rid: str | None = None, route: Any = None) -> AsyncIterator[StreamItem]:
         """Admit a request whose KV ``backend`` fills into the pages of ``lease_id`` from the sender's
-        receipt ``rec`` (Engine.add_leased), and stream its tokens."""
+        receipt ``rec`` (Engine.add_leased), and stream its tokens (``route``: as in ``generate``)."""
         rid = rid or self.new_rid()
-        return self._stream(rid, lambda e: e.add_leased(prompt, lease_id, rec, params, backend, rid, now=now))
+        return self._stream(rid, lambda e: e.add_leased(prompt, lease_id, rec, params, backend, rid, now=now),
+                            self._sink(route))
 
     async def abort(self, rid: str) -> None:
         await self.call(lambda e: self._abort_now(rid))

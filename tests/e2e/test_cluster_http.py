@@ -144,6 +144,25 @@ def test_health_models_metrics(cluster):
         assert sum(f'kind="{kind}"' in line for line in lb) == len(workers), lb
 
 
+def test_a_client_that_leaves_mid_stream_frees_the_decode_worker_at_once(cluster):
+    """The stream's tokens come over the token channel; the client leaving cancels the request's one Ray
+    call, which aborts it on the decode worker: nothing keeps decoding for nobody."""
+    dec = cluster["workers"]["decode-0"]
+    body = {"input_ids": [7, 7, 7], "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}, "stream": True}
+    with httpx.stream("POST", f"{cluster['url']}/generate", json=body, timeout=60) as resp:
+        got = 0
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                got += 1
+                if got == 3:
+                    assert ray.get(dec.load.remote())["running"] == 1
+                    break
+    deadline = time.monotonic() + 3.0   # 3000 tokens would take far longer
+    while ray.get(dec.load.remote())["running"]:
+        assert time.monotonic() < deadline, "the decode worker still runs the abandoned request"
+        time.sleep(0.02)
+
+
 def test_killing_the_decode_worker_mid_stream_gives_a_clean_error_and_it_comes_back(cluster):
     url = cluster["url"]
     body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
@@ -180,9 +199,13 @@ def test_a_non_streamed_request_survives_its_decode_worker_dying(cluster, refere
     ids = [9, 8, 7, 6]
     want = reference.generate([ids], SamplingParams(max_new_tokens=400, ignore_eos=True, return_logits=True))[0]
 
-    def kill_soon():
-        time.sleep(1.0)
-        ray.kill(cluster["workers"]["decode-0"], no_restart=False)
+    def kill_soon():   # once the request decodes there (a fixed delay may outlast it and hit the next test)
+        dec = cluster["workers"]["decode-0"]
+        deadline = time.monotonic() + 60
+        while ray.get(dec.load.remote())["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        ray.kill(dec, no_restart=False)
 
     import threading
     threading.Thread(target=kill_soon, daemon=True).start()

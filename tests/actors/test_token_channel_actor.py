@@ -1,0 +1,109 @@
+"""The ingress's side of the token channel against a real worker actor on a local Ray cluster
+(actors/ingress.RayBackend without Serve or a router): one submit per request, the items over the
+channel, equal to the engine's; closing the stream early cancels the call and frees the engine; a worker
+that dies mid-stream fails the stream (RayActorError, which the ingress turns into WorkerFailed) instead of
+hanging, and once it is back the next request reconnects to its new channel; bad input stays a ValueError."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from cluster import launch  # sets the Ray environment (loopback, no token auth) on import
+from engine import Engine, EngineConfig, SamplingParams
+from engine.model.loader import resolve_model_path
+
+ray = pytest.importorskip("ray")
+
+SP = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from actors.ingress import RayBackend
+    from actors.worker import WorkerActor
+    launch.start_local_ray(num_cpus=2)
+    path = str(resolve_model_path("strata-tiny"))
+    cfg = EngineConfig(model=path, page_size=16, num_pages=256, torch_threads=1)
+    w = WorkerActor.options(num_cpus=0.5).remote("w0", "colocated", cfg, None)
+    ray.get(w.start.remote(), timeout=180)
+    b = RayBackend(None, {"w0": w}, "strata-tiny", path, 256, 8192, request_timeout=60.0)
+    yield b, path
+    b.close_channels()
+    ray.shutdown()
+
+
+async def _collect(gen):
+    return [i async for i in gen]
+
+
+def _load(b) -> dict:
+    return ray.get(b.workers["w0"].load.remote(), timeout=30)
+
+
+def test_items_over_the_channel_equal_the_engines(backend):
+    b, path = backend
+    prompts = [[5, 6, 7], list(range(40)), [9] * 20]
+    want = Engine.from_pretrained(path, page_size=16, num_pages=256).generate(prompts, SP)
+
+    async def main():   # concurrently: one step's message carries several requests' items
+        return await asyncio.gather(*(_collect(b.generate("w0", p, SP)) for p in prompts))
+    for items, w in zip(asyncio.run(main()), want):
+        assert [t for i in items for t in i.token_ids] == w.token_ids
+        assert [i.finished for i in items] == [False] * (len(items) - 1) + [True]
+        last = items[-1]
+        assert last.finish_reason == "length" and last.prompt_tokens == w.prompt_tokens
+        assert [lp.token_id for i in items for lp in i.logprobs] == w.token_ids
+        assert all(len(lp.top) == 2 for i in items for lp in i.logprobs)
+
+
+def test_closing_the_stream_cancels_the_request_on_the_worker(backend):
+    b, _ = backend
+
+    async def main():
+        gen = b.generate("w0", [1, 2, 3], SamplingParams(max_new_tokens=3000, ignore_eos=True))
+        for _ in range(3):
+            await gen.__anext__()
+        assert _load(b)["running"] == 1
+        await gen.aclose()        # what a client that leaves does to its stream
+    asyncio.run(main())
+    deadline = time.monotonic() + 3.0
+    while _load(b)["running"]:
+        assert time.monotonic() < deadline, "the worker still decodes the abandoned request"
+        time.sleep(0.02)
+
+
+def test_bad_input_is_a_value_error(backend):
+    b, _ = backend
+    with pytest.raises(ValueError, match="prompt"):
+        asyncio.run(_collect(b.generate("w0", [1, 99999], SP)))
+
+
+def test_a_worker_killed_mid_stream_fails_it_and_the_next_request_uses_its_new_channel(backend):
+    b, _ = backend
+    w = b.workers["w0"]
+    before = ray.get(w.token_channel.remote())
+
+    async def stream():
+        gen = b.generate("w0", [4, 5, 6], SamplingParams(max_new_tokens=3000, ignore_eos=True))
+        await gen.__anext__()
+        ray.kill(w, no_restart=False)
+        async for _ in gen:
+            pass
+    t = time.monotonic()
+    with pytest.raises(ray.exceptions.RayActorError):
+        asyncio.run(stream())
+    assert time.monotonic() - t < 30
+    deadline = time.monotonic() + 120
+    while True:    # back: a new process, a new channel
+        try:
+            ray.get(w.start.remote(), timeout=60)
+            break
+        except ray.exceptions.RayActorError:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+    assert ray.get(w.token_channel.remote()) != before
+    items = asyncio.run(_collect(b.generate("w0", [4, 5, 6], SamplingParams(max_new_tokens=4, ignore_eos=True))))
+    assert sum(len(i.token_ids) for i in items) == 4 and items[-1].finished
+

@@ -1,0 +1,278 @@
+"""The token channel in isolation (actors/token_channel.py, no Ray): the wire encoding round-trips every
+StreamItem field, a step's items leave as one message per client, in order, items of a closed request are
+dropped, a client that never said hello is stale, the race between a call's return and its last item,
+and the AsyncEngine's per-step hook that feeds the channel."""
+import asyncio
+import math
+import uuid
+
+import pytest
+import torch
+import zmq.asyncio
+
+from actors.token_channel import (RETURNED, ChannelClient, ChannelLost, ChannelServer, Route, StaleChannel,
+                                  decode_items, encode_items, request_items, settle)
+from engine import Engine, SamplingParams
+from engine.async_engine import AsyncEngine, StreamItem
+from engine.sampling import TokenLogprob
+
+ITEMS = [
+    StreamItem("r-0", [5]),
+    StreamItem("r-1", [1, 2], True, "stop", 5, 3, {"L1": 2, "L2": 1, "L3": 0}, None,
+               [TokenLogprob(1, -0.5, ((1, -0.5), (7, -1.25)), 1), TokenLogprob(2, -math.inf)],
+               [None, TokenLogprob(3, -2.0, (), 4), TokenLogprob(9, -0.1, ((9, -0.1),), None)], "</s>"),
+    StreamItem("r-2", [], True, "stop", 1, 0, {}, None, [], [], 42),               # stopped by a token id
+    StreamItem("r-3", [], True, "error", error="engine step failed: boom"),
+    StreamItem("r-4", [3, 4, 5], False, None, 0, 0, {}, None, [TokenLogprob(3, -1e-9, (), 2)] * 3, None, None),
+]
+
+
+def test_every_stream_item_field_round_trips_exactly():
+    kind, payload = encode_items([(k, it) for k, it in enumerate(ITEMS)])
+    assert kind == b"I"
+    back = decode_items(kind, payload)
+    assert [k for k, _ in back] == list(range(len(ITEMS)))
+    for (_, got), want in zip(back, ITEMS):
+        assert got == want
+        assert all(type(lp) is TokenLogprob and type(lp.top) is tuple and all(type(t) is tuple for t in lp.top)
+                   for lp in got.logprobs + [p for p in got.prompt_logprobs or [] if p is not None])
+        assert type(got.matched_stop) is type(want.matched_stop)
+
+
+def test_a_value_msgpack_cannot_encode_goes_pickled_and_still_round_trips():
+    item = StreamItem("r-9", [torch.tensor(3)], True, "length")
+    kind, payload = encode_items([(1, item)])
+    assert kind == b"P"
+    [(key, got)] = decode_items(kind, payload)
+    assert key == 1 and got.rid == "r-9" and int(got.token_ids[0]) == 3 and got.finished
+
+
+@pytest.fixture
+def server():
+    s = ChannelServer("127.0.0.1")
+    yield s
+    s.close()
+
+
+async def _client(server, ctx):
+    c = ChannelClient(ctx, server.endpoint, uuid.uuid4().bytes)
+    await c.ready(5)
+    return c
+
+
+def test_one_message_per_step_and_client_with_every_request_of_that_client(server):
+    async def main():
+        ctx = zmq.asyncio.Context()
+        a, b = await _client(server, ctx), await _client(server, ctx)
+        (ka1, qa1), (ka2, qa2), (kb, qb) = a.open(), a.open(), b.open()
+        ra1, ra2, rb = server.route(a.identity, ka1), server.route(a.identity, ka2), server.route(b.identity, kb)
+        for step in range(5):
+            server.send_step([(ra1, StreamItem("a1", [step])), (rb, StreamItem("b", [100 + step])),
+                              (ra2, StreamItem("a2", [200 + step], step == 4))])
+        got = {n: [await q.get() for _ in range(5)] for n, q in (("a1", qa1), ("a2", qa2), ("b", qb))}
+        assert [i.token_ids[0] for i in got["a1"]] == list(range(5))
+        assert [i.token_ids[0] for i in got["a2"]] == list(range(200, 205)) and got["a2"][-1].finished
+        assert [i.token_ids[0] for i in got["b"]] == list(range(100, 105))
+        assert server.sent_messages == 10 and a.received_messages == 5 and b.received_messages == 5
+        a.close(), b.close()
+        ctx.term()
+    asyncio.run(main())
+
+
+def test_items_keep_their_order_over_many_steps(server):
+    async def main():
+        ctx = zmq.asyncio.Context()
+        c = await _client(server, ctx)
+        key, q = c.open()
+        r = server.route(c.identity, key)
+        for i in range(2000):
+            server.send_step([(r, StreamItem("x", [i, i + 1], i == 1999))])
+        seen = [await q.get() for _ in range(2000)]
+        assert [s.token_ids[0] for s in seen] == list(range(2000)) and seen[-1].finished
+        c.close()
+        ctx.term()
+    asyncio.run(main())
+
+
+def test_items_of_a_request_nobody_waits_for_are_dropped(server):
+    async def main():
+        ctx = zmq.asyncio.Context()
+        c = await _client(server, ctx)
+        (gone, _), (live, q) = c.open(), c.open()
+        c.release(gone)
+        server.send_step([(server.route(c.identity, gone), StreamItem("g", [1])),
+                          (server.route(c.identity, live), StreamItem("l", [2], True))])
+        assert (await asyncio.wait_for(q.get(), 5)).token_ids == [2]
+        assert c.dropped == 1
+        c.close()
+        ctx.term()
+    asyncio.run(main())
+
+
+def test_a_client_that_never_said_hello_here_is_stale(server):
+    async def main():
+        ctx = zmq.asyncio.Context()
+        c = await _client(server, ctx)
+        server.route(c.identity, 0)
+        with pytest.raises(StaleChannel):
+            server.route(uuid.uuid4().bytes, 0)
+        other = ChannelServer("127.0.0.1")   # a restarted worker: a new server, which never heard of c
+        try:
+            with pytest.raises(StaleChannel):
+                other.route(c.identity, 0)
+        finally:
+            other.close()
+        c.close()
+        ctx.term()
+    asyncio.run(main())
+
+
+def test_a_client_of_a_server_that_does_not_answer_times_out():
+    async def main():
+        ctx = zmq.asyncio.Context()
+        s = ChannelServer("127.0.0.1")
+        endpoint = s.endpoint
+        s.close()
+        c = ChannelClient(ctx, endpoint, uuid.uuid4().bytes)
+        with pytest.raises(asyncio.TimeoutError):
+            await c.ready(0.3)
+        c.close()
+        ctx.term()
+    asyncio.run(main())
+
+
+# ---- one request's reader: the call's outcome beside the channel's items ----
+
+async def _drain(q, timeout=5.0, grace=1.0):
+    return [i async for i in request_items(q, timeout, grace)]
+
+
+def test_a_call_that_returns_before_its_items_waits_for_the_last():
+    async def main():
+        q = asyncio.Queue()
+        q.put_nowait(RETURNED)      # the Ray return overtook the channel
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.05, q.put_nowait, StreamItem("r", [1]))
+        loop.call_later(0.1, q.put_nowait, StreamItem("r", [2], True, "length"))
+        got = await _drain(q)
+        assert [i.token_ids for i in got] == [[1], [2]] and got[-1].finished
+    asyncio.run(main())
+
+
+def test_a_last_item_that_never_comes_after_the_return_is_a_lost_channel():
+    async def main():
+        q = asyncio.Queue()
+        for x in (StreamItem("r", [1]), RETURNED):
+            q.put_nowait(x)
+        got = []
+        with pytest.raises(ChannelLost):
+            async for i in request_items(q, 5.0, 0.1):
+                got.append(i)
+        assert [i.token_ids for i in got] == [[1]]
+    asyncio.run(main())
+
+
+def test_no_item_within_the_timeout_and_a_failed_call_raise():
+    async def main():
+        with pytest.raises(asyncio.TimeoutError):
+            await _drain(asyncio.Queue(), timeout=0.05)
+
+        async def fails():
+            await asyncio.sleep(0.01)
+            raise ValueError("prompt: too long")
+        q = asyncio.Queue()
+        q.put_nowait(StreamItem("r", [1]))
+        await settle(fails(), q)
+        got = []
+        with pytest.raises(ValueError, match="too long"):
+            async for i in request_items(q, 5.0, 1.0):
+                got.append(i)
+        assert len(got) == 1       # the items before the failure first
+
+        q = asyncio.Queue()
+        q.put_nowait(StreamItem("r", [1], True))
+        await settle(asyncio.sleep(0), q)
+        assert len(await _drain(q)) == 1 and q.get_nowait() is RETURNED   # the return after the last item: unread
+    asyncio.run(main())
+
+
+# ---- the engine's side: one hand-off per step with every routed request's items ----
+
+@pytest.fixture(scope="module")
+def core():
+    c = AsyncEngine(Engine.from_pretrained("strata-tiny", page_size=16, num_pages=128, max_batch_tokens=256))
+    yield c
+    c.close()
+
+
+def test_the_engine_hands_on_each_steps_items_together_and_yields_only_the_last(core):
+    steps: list[list] = []
+    core.on_step = steps.append
+    sp = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+    async def main():
+        want = {}
+        for p in ([1, 2, 3], [4, 5, 6, 7]):
+            want[tuple(p)] = [t for i in [i async for i in core.generate(p, sp)] for t in i.token_ids]
+        steps.clear()
+
+        async def routed(p, tag):
+            return [i async for i in core.generate(p, sp, route=tag)]
+        lasts = await asyncio.gather(routed([1, 2, 3], "a"), routed([4, 5, 6, 7], "b"))
+        return want, lasts
+    want, lasts = asyncio.run(main())
+    assert all(len(x) == 1 and x[0].finished for x in lasts)          # only the last comes back directly
+    assert any({tag for tag, _ in s} == {"a", "b"} for s in steps)      # both requests' items in one step
+    for tag, p in (("a", (1, 2, 3)), ("b", (4, 5, 6, 7))):
+        items = [i for s in steps for t, i in s if t == tag]
+        assert [t for i in items for t in i.token_ids] == want[p]
+        assert [i.finished for i in items] == [False] * (len(items) - 1) + [True]
+
+
+def test_closing_a_routed_request_aborts_it(core):
+    steps: list[list] = []
+    core.on_step = steps.append
+
+    async def main():
+        # As WorkerActor.submit runs it; ray.cancel raises CancelledError in that coroutine.
+        task = asyncio.ensure_future(_run(core.generate([9, 9, 9], SamplingParams(max_new_tokens=2000,
+                                                                                  ignore_eos=True), route="x")))
+        while not steps:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            if not await core.call(lambda e: bool(e.requests)):
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the request still runs")
+    asyncio.run(main())
+    assert sum(len(i.token_ids) for s in steps for _, i in s) < 2000
+
+
+def test_engine_to_client_over_a_socket(core, server):
+    core.on_step = server.send_step
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        c = await _client(server, ctx)
+        sp = SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=True, top_logprobs=2)
+        direct = [i async for i in core.generate([3, 1, 4, 1, 5], sp)]
+        key, q = c.open()
+        route = server.route(c.identity, key)
+        call = asyncio.ensure_future(settle(_run(core.generate([3, 1, 4, 1, 5], sp, route=route)), q))
+        got = await _drain(q)
+        await call
+        c.close()
+        ctx.term()
+        return direct, got
+    direct, got = asyncio.run(main())
+    def strip(items):
+        return [(i.token_ids, i.logprobs, i.finished, i.finish_reason, i.prompt_tokens) for i in items]
+    assert strip(got) == strip(direct) and got[-1].finished
+
+
+async def _run(gen):
+    async for _ in gen:
+        pass
