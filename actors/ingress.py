@@ -121,7 +121,7 @@ class RayBackend:
     async def reserve(self, decode: str, prompt_len: int, prefill: str) -> Destination:
         try:
             return await asyncio.wait_for(
-                self.workers[decode].reserve.remote(prompt_len, prefill, self.workers[prefill]), self.timeout)
+                self.workers[decode].reserve.remote(prompt_len, prefill), self.timeout)
         except ray.exceptions.RayTaskError as e:
             raise _unwrap(e) from None
         except asyncio.TimeoutError:
@@ -131,8 +131,7 @@ class RayBackend:
                          res: Reservation) -> tuple[StreamItem, ReceiptRef]:
         # The receipt stays a reference: for ray_object the decode worker reads the packed KV from the
         # object store directly, never through this replica.
-        first_ref, receipt_ref = self.workers[prefill].prefill_to.remote(ids, params, res.dest,
-                                                                          self.workers[res.decode])
+        first_ref, receipt_ref = self.workers[prefill].prefill_to.remote(ids, params, res.dest, res.decode)
         try:
             return await asyncio.wait_for(first_ref, self.timeout), receipt_ref
         except ray.exceptions.RayTaskError as e:

@@ -232,7 +232,7 @@ class WorkerActor:
     def _probe(self, lease_id: str, sender: str) -> None:
         """A sender that says its send into ``lease_id`` cannot write any more, or is dead (a restart is a
         new process: the old one's transfers died with it), frees the quarantined pages."""
-        handle = self.peers.get(sender)
+        handle = self._peer(sender)
         if handle is None:
             return
         try:
@@ -249,7 +249,7 @@ class WorkerActor:
         self._tell_ended(self.sends.end(lease_id), lease_id)
 
     def _tell_ended(self, decode: str | None, lease_id: str) -> None:
-        handle = self.peers.get(decode) if decode else None
+        handle = self._peer(decode) if decode else None
         if handle is not None:
             handle.transfer_ended.remote(lease_id)
 
@@ -267,10 +267,23 @@ class WorkerActor:
                 store.prefer_segment(seg)
 
     # ---- prefill -> decode transfer (storage/transfer) -------------------------------------------
+    def _peer(self, worker_id: str) -> ActorHandle | None:
+        """A peer worker's actor: given with a call (``sender_handle``, ``notify``), else looked up once by
+        its name (``actor_name``), so the ingress need not ship a handle with every request. Blocking (a
+        GCS lookup the first time): threads, or ``asyncio.to_thread``."""
+        handle = self.peers.get(worker_id)
+        if handle is None and worker_id:
+            try:
+                handle = self.peers[worker_id] = ray.get_actor(actor_name(worker_id),
+                                                               namespace=ray.get_runtime_context().namespace)
+            except ValueError:   # not a named cluster worker (a test's bare actor) or gone
+                return None
+        return handle
+
     async def reserve(self, prompt_len: int, sender: str = "", sender_handle=None) -> Destination:
         """Decode side: lease the pages a prompt of ``prompt_len`` tokens will occupy; where to send.
-        ``sender``: the prefill worker's id, and ``sender_handle`` its actor, asked before quarantined
-        pages are freed."""
+        ``sender``: the prefill worker's id, asked before quarantined pages are freed (by its name, or
+        through ``sender_handle`` when it is not a named cluster worker)."""
         if not isinstance(sender, str):
             raise TypeError(f"reserve: sender is the prefill worker's id (its handle goes in sender_handle), "
                             f"got {type(sender).__name__}")
@@ -298,14 +311,17 @@ class WorkerActor:
 
     @ray.method(num_returns=2)
     async def prefill_to(self, ids: list[int], params: SamplingParams, dest: Destination,
-                         notify: ActorHandle | None = None) -> tuple[StreamItem, Receipt | None]:
+                         notify: ActorHandle | str | None = None) -> tuple[StreamItem, Receipt | None]:
         """Prefill, then send the prompt's KV into ``dest`` (a decode worker's leased pages); returns
         (StreamItem of the first token, receipt; None when nothing was sent: the first token ended it).
         Two returns, two objects: for ray_object the receipt carries the packed payload, which Ray puts in
         the object store as this task's second return (the backend's ray.put half), and the decode worker
         reads it from there. ``notify``: the decode worker, told when the send is over so quarantined
         pages can go back."""
-        if notify is not None:
+        if isinstance(notify, str):     # the decode worker by name: its handle is looked up once
+            if notify not in self.peers:
+                await asyncio.to_thread(self._peer, notify)
+        elif notify is not None:
             self.peers[dest.worker_id] = notify
         self.sends.begin(dest.lease_id, dest.worker_id if notify is not None else "")
         in_flight = False
@@ -522,3 +538,8 @@ def resolve_hosts(engine_cfg: EngineConfig, tcfg: TransferConfig | None):
         l3 = dataclasses.replace(hc.l3, mooncake=dataclasses.replace(mc, local_hostname=node_ip()))
         engine_cfg = dataclasses.replace(engine_cfg, hicache=dataclasses.replace(hc, l3=l3))
     return engine_cfg, tcfg
+
+
+def actor_name(worker_id: str) -> str:
+    """The Ray actor name of the cluster worker ``worker_id`` (in the cluster's namespace)."""
+    return f"strata-{worker_id}"

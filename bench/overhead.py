@@ -311,6 +311,16 @@ class Server:
                 time.sleep(0.25)
         raise TimeoutError(f"{self.name}: not healthy in {timeout:.0f}s:\n" + "".join(self.lines[-30:]))
 
+    def ray_address(self, timeout: float = 30.0) -> str:
+        """The GCS address the launcher prints once it serves (/health may answer 200 a moment before)."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            for ln in list(self.lines):
+                if "strata: Ray at " in ln:
+                    return ln.split("Ray at ")[1].split()[0]
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.name}: the launcher never said where Ray is:\n" + "".join(self.lines[-30:]))
+
     def ask(self, cmd: dict) -> dict:
         self.client.stdin.write(json.dumps(cmd) + "\n")
         self.client.stdin.flush()
@@ -425,7 +435,7 @@ def hops(n: int, name: str = "colocated", switch_interval: float | None = None) 
     from engine.sampling import SamplingParams
     srv = Server(name, switch_interval=switch_interval)
     try:
-        gcs = next(ln.split("Ray at ")[1].split()[0] for ln in srv.lines if "strata: Ray at " in ln)
+        gcs = srv.ray_address()
         ray.init(address=gcs, namespace="strata", log_to_driver=False)
         worker = ray.get_actor("strata-colocated-0", namespace="strata")
         router = ray.get_actor(next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)

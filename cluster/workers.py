@@ -7,15 +7,11 @@ import time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.worker import WorkerActor
+from actors.worker import WorkerActor, actor_name  # noqa: F401  (the name rule is the worker's: peers use it)
 from cluster.lifecycle import ROUTER_ACTOR, STORAGE_ACTOR
 from cluster.placement import NodeInfo, PlacementConfig, choose_node
 
 ROLES = ("colocated", "prefill", "decode")
-
-
-def actor_name(worker_id: str) -> str:
-    return f"strata-{worker_id}"
 
 
 def nodes_now() -> list[NodeInfo]:
