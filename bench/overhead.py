@@ -16,37 +16,37 @@ Ray cluster (own STRATA_HOME, free port); its processes' CPU times come from /pr
 Short requests over HTTP run closed-loop, 16 in flight; the engine runs them as 4 waves of 16 (and one
 batch of 64). Writes bench/results/overhead.json (``--profile``: overhead_profile.json).
 
-Findings (2 cores shared with other jobs: timings noisy; details in overhead_profile.json):
-- The cluster is CPU-bound, not wait-bound: a short request (32 tokens, 8 new) costs ~29-35 ms of CPU in
-  all (colocated; 1P+1D ~44) against ~2.8 ms in the engine alone, on 2 cores; so ~55 req/s at best.
-- Per short request, colocated: proxy ~4.5 ms, ingress ~8.5, router ~1.3, worker ~11.5 (the engine's own
-  part ~3), Ray's daemons ~1, load generator ~1.8. HiCache write-through of every new prompt (L2 + file
-  L3) adds ~0-5 ms in the worker and ~1-2 ms in the storage actor (the colocated-l1 config leaves it out).
-- Ray messages per request: proxy -> replica 1 call, replica -> proxy 2 calls (receive_asgi_messages:
-  the body, then the disconnect watch), ingress -> router 1 (route), ingress -> worker 1 (generate); then
-  one streamed Ray object per token worker -> ingress, and ingress -> proxy one per response chunk
-  (2.3 for a non-streamed request, 18.4 for a 16-token stream). Per token: 1 (non-streamed) or 2 (SSE)
-  Ray objects, each pickled.
-- Python on CPU (py-spy --gil): proxy = Serve's router/replica-result plumbing + uvicorn + its access
-  log; ingress = Ray actor calls/serialization (~27%), asyncio (~20%), Serve's replica wrapper and
-  ASGI receive proxy (~12%), starlette/fastapi incl. a BaseHTTPMiddleware (`_json_bodies`, ~11%),
-  strata's own front ~8%, pydantic ~3%; worker = engine thread ~50% (model ~31%), L2/L3 write-through
-  ~12-25%, pickling stream items ~9%; router = mostly the KV-event catch-up and reports, route ~3%.
-- Hop by hop (--hops, colocated, one request at a time): bare actor call 0.8 ms, router.route 1.1-1.4,
-  the worker's stream alone (driver -> worker, cached 512 prompt, 1 new) 7 ms against the engine's 2.2,
-  GET /v1/models (proxy + replica + FastAPI, no backend) 5.5-9, HTTP /generate 19-22: so ~6 ms is the
-  HTTP front's floor, ~5 the worker's path beyond its engine, ~1 the router, ~6 the ingress's /generate
-  handling. 64 tokens: worker stream alone 0.15-0.2 s vs engine 0.093, HTTP 0.19-0.23: the per-token
-  cost sits in the worker (~1 ms/token: its engine thread shares the GIL and 2 busy cores with the actor's
-  asyncio thread, Ray's executor thread that pickles each streamed item, the report thread and Ray's C++
-  threads: 4 thread hand-offs per token before the item leaves), not in the HTTP path. Neither the host/L3
-  tiers (colocated-l1) nor a 0.5 ms GIL switch interval (--switch-interval) moved it beyond the noise.
-- 1P+1D (--profile --configs 1p1d): the ingress makes 4 calls (route, reserve, prefill_to, decode_leased)
-  besides Serve's; the worker CPU per short request doubles (~21-23 ms): the L3 file writes (a thread-pool
-  submit per page, ~17% of the workers' GIL time) and the actor handles sent with every reserve/prefill_to
-  (deserialized per request) show up beside the two engines.
+Findings before #37 [fastpath] (Serve's Python proxy in front, one Ray streamed object per token; 2 cores
+shared with other jobs, so timings are noisy; profile in overhead_profile.json, taken then):
+- The cluster was CPU-bound, not wait-bound: a short request (32 tokens, 8 new) cost ~28-35 ms of CPU
+  colocated (1P+1D ~34-44) against ~2.8 ms in the engine alone: proxy ~4-4.5 ms, ingress ~8, router ~1,
+  worker ~11 (its engine ~3), Ray's daemons ~1, load generator ~1.5.
+- Ray messages per request: proxy -> replica 1 call, replica -> proxy 2 (receive_asgi_messages), ingress
+  -> router 1, ingress -> worker 1; then one streamed Ray object per token worker -> ingress and one per
+  response chunk ingress -> proxy. The per-token cost (~1 ms) sat in the worker: each item crossed the
+  engine thread, the actor's asyncio loop and Ray's executor (pickled) before leaving.
+- Hop by hop: bare actor call 0.8 ms, router.route 1.0, the worker's stream alone 6-7 ms for one new token
+  (engine 2.2), GET /v1/models 5.5-9 ms (the proxy's floor), HTTP /generate 17-22 ms.
+
+What #37 changed, and what is left (after; README "Serving overhead" has both tables):
+- HTTP front: HAProxy (Ray Serve's direct ingress, ``server.front: haproxy``): the replica serves HTTP
+  itself; GET /v1/models 5.7 -> 0.9 ms, the front's CPU per request 4 -> 0.3-0.6 ms, the ingress's 7.7 ->
+  2.1 ms (no receive_asgi_messages round trips, no per-chunk objects back to a proxy).
+- Tokens: the token channel (actors/token_channel.py), one ZMQ message per engine step and ingress replica
+  sent by the engine thread itself; one Ray call per request (submit), for failure and cancellation. The
+  worker's path for 64 tokens 0.148 s (streamed) -> 0.109 s (engine 0.098); per token ~0.16 ms over the
+  engine.
+- Left, colocated (TTFT 7.5 ms against the engine's 2.0): route (one actor round trip, ~1 ms; a read
+  replica of the index in the ingress would save that round trip but needs its own event consumption and
+  a barrier for exact predictions: not taken), the submit call (~1 ms), ~2 ms in the worker's process
+  around a one-token step (the actor's event loop and the engine thread share the GIL), ~1 ms HTTP.
+  Short requests: ~12.7 ms of CPU each (workers 7.4 with the engine's ~2.5, ingress 2.1, the load
+  generator 1.1, router 0.7), so ~130 req/s on 2 cores.
+- Left, 1P+1D: the workers' ~17-19 ms of CPU per short request (two engines, reserve + prefill_to + the
+  ray_object KV payload, write-through to L2 and the file L3), and the reserve round trip before the
+  prefill (which a prefill worker could make itself, overlapped with its compute).
 - A slow reader (4 KB socket buffer, 3 s late, ~1 MB of SSE) does not hold others back: its output is
-  buffered by the stack (unbounded, per client) and the others' latency matches the prompt-reader case.
+  buffered per client and the others' latency matches the prompt-reader case.
 """
 from __future__ import annotations
 

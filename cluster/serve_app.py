@@ -9,8 +9,9 @@
 Serve calls ``build(args)`` in a task on the cluster every time the application is (re)deployed. It
 loads the cluster YAML, starts the router and the workers as named, detached actors (reused when they
 already exist: a redeploy must not start a second set), and returns the bound HTTP ingress, which Serve
-runs behind its own proxy (host and port come from the serve config's ``http_options``, not from the
-YAML's ``server`` block).
+runs behind the HTTP front its nodes were started with (HAProxy in front of the replica's own HTTP
+server, or Serve's proxy: the pods' env, see manifests/; host and port come from the serve config's
+``http_options``, not from the YAML's ``server`` block).
 """
 from __future__ import annotations
 
