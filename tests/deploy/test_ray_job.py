@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.launch import RAY_ENV, front_env
+from cluster.front import front_env
+from cluster.launch import RAY_ENV
 from tests.util import free_port, processes_started_under, stop_processes_started_under
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -47,7 +47,7 @@ def test_rayservice_application_serves_health_and_models(tmp_path):
     serve_cfg = yaml.safe_load(objs[("RayService", "strata-serve")]["spec"]["serveConfigV2"])
     serve_cfg["http_options"] = {"host": "127.0.0.1", "port": port}
     serve_cfg["applications"][0]["args"]["config"] = str(config_file)
-    # Two ingress replicas, as a RayService may scale them: HAProxy (launch.front_env's default front)
+    # Two ingress replicas, as a RayService may scale them: HAProxy (cluster.front's default front)
     # spreads the connections over both, each serving HTTP itself.
     ingress = next(d for d in serve_cfg["applications"][0]["deployments"] if d["name"] == "ingress")
     ingress["num_replicas"] = 2

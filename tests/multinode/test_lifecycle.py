@@ -72,24 +72,24 @@ def test_config_front_is_haproxy_or_serve_proxy():
 
 
 def test_front_env_gives_each_cluster_its_own_ports_and_files(monkeypatch):
-    from cluster import launch
-    a, b = launch.front_env("haproxy", "/tmp/slcA"), launch.front_env("haproxy", "/tmp/slcB")
+    from cluster import front
+    a, b = front.front_env("haproxy", "/tmp/slcA"), front.front_env("haproxy", "/tmp/slcB")
     assert a["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and a["RAY_SERVE_HAPROXY_SOCKET_PATH"].startswith("/tmp/slcA/")
     ports = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
     assert len({a[k] for k in ports} | {b[k] for k in ports}) == 6
     # A temp dir too long for HAProxy's socket paths (97 bytes with Ray's per-node directory) falls back.
-    assert launch.front_env("haproxy", "/tmp/" + "x" * 40)["RAY_SERVE_HAPROXY_SOCKET_PATH"].startswith("/tmp/haproxy-serve/")
-    assert launch.front_env("serve_proxy") == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    assert front.front_env("haproxy", "/tmp/" + "x" * 40)["RAY_SERVE_HAPROXY_SOCKET_PATH"].startswith("/tmp/haproxy-serve/")
+    assert front.front_env("serve_proxy") == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
     # set_front_env replaces what it set before, keeps what the user set, and drops the other front's keys.
-    monkeypatch.setattr(launch, "_front_keys", set())
-    for k in launch.front_env("haproxy"):
+    monkeypatch.setattr(front, "_front_keys", set())
+    for k in front.front_env("haproxy"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "18404")
-    launch.set_front_env("haproxy", check=False)
+    front.set_front_env("haproxy", check=False)
     first = os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"]
-    launch.set_front_env("haproxy", check=False)
+    front.set_front_env("haproxy", check=False)
     assert os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404" and os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"] != first
-    launch.set_front_env("serve_proxy")
+    front.set_front_env("serve_proxy")
     assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "0" and "RAY_SERVE_HAPROXY_METRICS_PORT" not in os.environ
     assert os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
 

@@ -3,7 +3,8 @@ load generator's slow-reader stream parsing (against a tiny local server; no Ray
 import asyncio
 import json
 
-from bench.overhead import dist, kind_of, pct, report, summarize_stacks
+from bench.overhead import dist, kind_of, pct, report
+from bench.overhead_profile import summarize_stacks
 from bench.overhead_client import Client
 
 
