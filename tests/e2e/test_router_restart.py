@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.numerics]
 REBUILD_BOUND_S = 5.0
 NEW = 6          # tokens generated per turn
 TURN = 48        # new prompt tokens per turn
+LOAD_TURNS = 8   # turns of each load client (the router is killed after their second)
 
 
 def _generate(url: str, ids: list[int]) -> dict:
@@ -86,27 +87,37 @@ def test_router_killed_under_load_rebuilds_its_index_and_routing(cluster):
     st = ray.get(router.status.remote(), timeout=30)
     pages_before = st["indexed_pages"]
 
-    # Load: clients keep conversations of their own going while the router is killed.
+    # Load: clients keep conversations of their own going while the router is killed. A fixed number of
+    # turns, with the kill after the first ones: how much the load caches (and so evicts of b's
+    # conversations from the workers' own tiers) must not depend on how fast the cluster serves.
     load = Conversations(url, vocab, 4, seed=3939)
-    stop, errors = threading.Event(), []
+    errors: list[str] = []
+    started = threading.Barrier(5)
 
     def client(c: int) -> None:
-        while not stop.is_set():
+        for i in range(LOAD_TURNS):
             try:
+                if i == 2:
+                    started.wait(timeout=120)   # every client is into its load: the kill lands under load
                 load.turn(c)
+            except threading.BrokenBarrierError:
+                return      # another client failed: reported below
             except Exception as e:  # noqa: BLE001 - reported below
                 errors.append(repr(e))
+                started.abort()
                 return
 
     threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(4)]
     for t in threads:
         t.start()
-    time.sleep(1.5)
     pid = ray.get(router.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+    try:
+        started.wait(timeout=120)
+    except threading.BrokenBarrierError:
+        pass        # a client failed: its error is asserted below
     t_kill = time.monotonic()
     ray.kill(router, no_restart=False)
     time.sleep(1.0)          # in flight meanwhile: routes are retried by Ray on the restarted actor
-    stop.set()
     for t in threads:
         t.join(timeout=120)
     assert not errors, errors
