@@ -5,11 +5,18 @@ replayed to the app: nothing downstream ever holds more than the limit. A POST b
 content type (`curl -d '{...}'` sends form encoding by default) is declared JSON here, since every POST
 body of this API is.
 
+The 413 goes out whole before the rest of the body is read; the rest is then read and dropped (at most
+``DRAIN_BYTES``, for at most ``DRAIN_SECONDS``) before the connection closes, as nginx's lingering close
+does. Closing a socket with unread bytes in it sends a TCP reset, and a reset can overtake the answer
+already sent: the client (or HAProxy in front) then sees the 413's headers and loses its body.
+
 Plain ASGI, not a Starlette ``BaseHTTPMiddleware``: that one runs the app in a task group of its own with
 memory streams between, a cost every request and every streamed chunk would pay."""
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from typing import Any, Awaitable, Callable
 
 Scope = dict[str, Any]
@@ -18,6 +25,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+DRAIN_BYTES = 64 << 20
+DRAIN_SECONDS = 10.0
 
 
 class BodyLimit:
@@ -37,7 +46,7 @@ class BodyLimit:
                      + [(b"content-type", b"application/json")]}
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._too_large(send, int(declared))
+            await self._too_large(receive, send, int(declared), more_body=True)
             return
         chunks, size = [], 0
         while True:
@@ -47,7 +56,7 @@ class BodyLimit:
             body = msg.get("body", b"")
             size += len(body)
             if size > self.limit:
-                await self._too_large(send, size)
+                await self._too_large(receive, send, size, more_body=msg.get("more_body", False))
                 return
             chunks.append(body)
             if not msg.get("more_body", False):
@@ -63,10 +72,32 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _too_large(self, send: Send, size: int) -> None:
+    async def _too_large(self, receive: Receive, send: Send, size: int, more_body: bool) -> None:
         body = json.dumps({"error": {"message": f"request body: {size} bytes exceed the limit of {self.limit}",
                                      "type": "invalid_request_error", "param": None, "code": 413}}).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        # the whole answer is on the wire before the drain, so a client that reads it early has it all
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        if more_body:
+            await _drain(receive)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _drain(receive: Receive) -> None:
+    """Read and drop the rest of a request body, bounded in bytes and time."""
+    dropped, deadline = 0, time.monotonic() + DRAIN_SECONDS
+    while dropped <= DRAIN_BYTES:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        try:
+            msg = await asyncio.wait_for(receive(), left)
+        except asyncio.TimeoutError:
+            return
+        if msg["type"] != "http.request":
+            return
+        dropped += len(msg.get("body", b""))
+        if not msg.get("more_body", False):
+            return
