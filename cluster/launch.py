@@ -102,7 +102,7 @@ def deploy(cfg: ClusterConfig, detached: bool = False, ready_timeout: float = 12
     else:
         start_proxy(cfg)
     handles = start_actors(cfg, detached=detached, ready_timeout=ready_timeout)
-    run_app(ingress_app(cfg, handles))
+    run_app(ingress_app(cfg, handles, beside_proxy=True))
     wait_serving(cfg, ready_timeout)
     return handles
 
@@ -142,7 +142,8 @@ def start_serve(cfg: ClusterConfig) -> None:
     if app_phase(APP_NAME) is not None:
         return
     # It answers at once, so its stop need not wait Serve's default 2 s loop / 20 s timeout.
-    app = serve.deployment(StartingIngress, name="ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
+    app = serve.deployment(StartingIngress, name="ingress", num_replicas=1,
+                           ray_actor_options={"num_cpus": 0, **BESIDE_THE_PROXY},
                            graceful_shutdown_wait_loop_s=0.1, graceful_shutdown_timeout_s=1,
                            **ingress_options(s)).bind()
     run_app(app, wait_running=True)
@@ -250,12 +251,20 @@ def start_actors(cfg: ClusterConfig, detached: bool = False, ready_timeout: floa
             "eplb": eplb, "storage": storage}
 
 
-def ingress_app(cfg: ClusterConfig, handles: dict, ingress_cls=Ingress):
+# The ingress replica on the head node, where ``start_proxy`` runs the one HTTP front (HeadOnly): HAProxy
+# hands each connection to it there, and a worker node that is lost does not take the ingress with it (a
+# replica lost mid-request leaves HAProxy nothing to answer with but a 502 or a closed connection).
+BESIDE_THE_PROXY = {"resources": {"node:__internal_head__": 0.001}}
+
+
+def ingress_app(cfg: ClusterConfig, handles: dict, ingress_cls=Ingress, beside_proxy: bool = False):
     """The bound HTTP ingress over the actors of ``start_actors`` (not yet running: ``serve.run`` it, or
-    return it from a Serve application builder)."""
+    return it from a Serve application builder). ``beside_proxy``: on the head node, with the HeadOnly
+    front of strata's own launches (a RayService's proxies run on every node: its replicas go anywhere)."""
     s, mc = cfg.server, handles["model_config"]
+    opts = {"num_cpus": s.num_cpus, **(BESIDE_THE_PROXY if beside_proxy else {})}
     return serve.deployment(ingress_cls, name="ingress", num_replicas=1,
-                            ray_actor_options={"num_cpus": s.num_cpus}, **ingress_options(s)).bind(
+                            ray_actor_options=opts, **ingress_options(s)).bind(
         handles["router"], handles["workers"], s.model_name, handles["model_path"], mc.vocab_size,
         mc.max_position_embeddings, s.request_timeout, s.max_inflight, cfg)
 
@@ -424,7 +433,7 @@ def _deploy_or_adopt(cfg: ClusterConfig, detached: bool, if_exists: str,
     # From here a signal waits for the ingress (seconds) and drains it: it may already be answering.
     signals.starting = False
     old = set(ingress_replicas())
-    run_app(ingress_app(cfg, handles))
+    run_app(ingress_app(cfg, handles, beside_proxy=True))
     wait_replaced(old)
     wait_serving(cfg, 30.0)
     phases.mark("ingress")

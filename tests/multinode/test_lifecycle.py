@@ -105,6 +105,18 @@ def test_without_an_haproxy_binary_the_error_names_the_switch():
     assert r.returncode == 2 and "server.front: serve_proxy" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_haproxy_template_reuses_server_connections_safely():
+    """Ray's template reuses idle server connections for any request ("always"); a replica that dies with
+    a request on such a connection makes HAProxy drop the client's connection without an answer. strata's
+    template says "safe" in every backend."""
+    from ray.serve._private import haproxy
+    from actors.lifecycle import strata_haproxy_template
+    assert "http-reuse always" in haproxy.HAPROXY_CONFIG_TEMPLATE   # else this Ray changed what we patch
+    out = strata_haproxy_template(haproxy.HAPROXY_CONFIG_TEMPLATE)
+    assert "http-reuse always" not in out and out.count("http-reuse safe") == \
+        haproxy.HAPROXY_CONFIG_TEMPLATE.count("http-reuse always")
+
+
 def test_haproxy_answers_starting_for_a_path_no_app_routes(tmp_path, monkeypatch):
     """Ray's own HAProxy config, as its HAProxyManager renders it before any application is deployed, with
     the no-route answer rewritten, run by Ray's HAProxy binary: /health (any path) is 503 STARTING in JSON;

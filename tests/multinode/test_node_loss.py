@@ -46,6 +46,13 @@ def _run(lc, h):
     want = {tuple(p): ref.generate([p], SamplingParams(max_new_tokens=6, return_logits=True))[0] for p in prompts}
     where = dict(zip(h["workers"], ray.get([w.node.remote() for w in h["workers"].values()])))
     victim = next(w for w in ("prefill-1", "prefill-0") if lc.index_of(where[w]) != 0)
+    # The ingress runs beside the one HTTP front, on the head: losing a worker's node leaves it serving
+    # (where it died with the node, HAProxy could only drop or 502 the requests it had in flight).
+    from ray.serve.context import _get_global_client
+    replicas = _get_global_client().get_serve_details()["applications"][launch.APP_NAME]["deployments"][
+        "ingress"]["replicas"]
+    head = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"])
+    assert replicas and all(r["node_id"] == head for r in replicas), (head, replicas)
     load = Load(url, prompts)
     time.sleep(3)
     t_kill = time.monotonic()
