@@ -1,0 +1,188 @@
+"""The route channel (actors/route_channel.py) without Ray: a real RouteServer thread in front of a plain
+Router, RouteClients on an asyncio loop. Answers equal the Router's own (load counted once per answer),
+errors come back by kind (NoWorkerError retried by the ingress, the rest a RouterError naming the
+router), concurrent requests get their own answers, and a channel that cannot answer (the server gone,
+an endpoint nobody listens on, a route that takes too long) says ChannelDown, promptly where the
+connection is seen to be lost, so the ingress asks over Ray instead of hanging."""
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from actors.prefix_router import Route, Router
+from actors.route_channel import ChannelDown, RouteClient, RouteServer, RouterError, answer, decode_reply, encode_request
+from actors.routing import NoWorkerError, RouterConfig
+from storage.geometry import KVGeometry
+from storage.kv_events.subscriber import Delivered
+from storage.kv_events.wire import GPU, BlockStored, EventBatch
+from tests.util import free_port
+
+HOST = "127.0.0.1"
+
+
+def _router(roles: dict[str, str]) -> Router:
+    r = Router(RouterConfig(), KVGeometry(16))
+    for w, role in roles.items():
+        r.report(w, role, {"free_pages": 100}, True, now=time.monotonic())
+    return r
+
+
+def _serving(router: Router):
+    """The actor's locked ``route`` in miniature: the clock read, the core under a lock."""
+    lock = threading.Lock()
+
+    def route(keys, prompt_len, avoid):
+        with lock:
+            return router.route(keys, prompt_len, time.monotonic(), avoid)
+    return route
+
+
+@pytest.fixture
+def cluster():
+    router = _router({"c0": "colocated", "c1": "colocated"})
+    # c1 holds the first 4 pages of prompt [1..8]: prefix routing sends that prompt there.
+    router.apply([Delivered("c1", 0, EventBatch(0.0, [BlockStored([1, 2, 3, 4], None, [], 16, medium=GPU)]))])
+    server = RouteServer(HOST, _serving(router))
+    yield router, server
+    server.close()
+
+
+def test_answers_equal_the_routers_and_count_load_once(cluster):
+    router, server = cluster
+
+    async def main():
+        c = RouteClient(zmq.asyncio.Context.instance(), server.endpoint, timeout=5)
+        try:
+            hit = await c.route(list(range(1, 9)), 128, None)
+            avoided = await c.route(list(range(1, 9)), 128, ["c1"])
+            return hit, avoided
+        finally:
+            c.close()
+    hit, avoided = asyncio.run(main())
+    assert hit == Route("c1", None, 4, {"L1": 4, "L2": 0, "L3": 0}) and isinstance(hit, Route)
+    assert avoided.prefill == "c0" and avoided.cached_pages == 0
+    assert router.decisions == 2 and server.answered == 2
+    assert router.loads["c1"]["queued_tokens"] == 128 and router.loads["c0"]["queued_tokens"] == 128
+
+
+def test_concurrent_requests_each_get_their_own_answer(cluster):
+    router, server = cluster
+
+    async def main():
+        c = RouteClient(zmq.asyncio.Context.instance(), server.endpoint, timeout=5)
+        try:
+            return await asyncio.gather(*(c.route([1, 2, 3, 4] if i % 2 else [50 + i], 16, ["c1"] if i % 3 == 0
+                                                  else None) for i in range(60)))
+        finally:
+            c.close()
+    got = asyncio.run(main())
+    for i, r in enumerate(got):
+        if i % 3 == 0:
+            assert r.prefill == "c0"
+        assert r.cached_pages == (4 if i % 2 and r.prefill == "c1" else 0)
+    assert router.decisions == 60
+
+
+def test_no_worker_comes_back_as_itself_and_other_errors_name_the_router():
+    router = Router(RouterConfig(), KVGeometry(16), ready_at=time.monotonic() + 60)   # a restart's warm-up
+    router.report("c0", "colocated", {}, True, now=time.monotonic())
+    calls = []
+
+    def route(keys, prompt_len, avoid):
+        calls.append(prompt_len)
+        if prompt_len < 0:
+            raise KeyError("bad")
+        return router.route(keys, prompt_len, time.monotonic(), avoid)
+    server = RouteServer(HOST, route)
+
+    async def main():
+        c = RouteClient(zmq.asyncio.Context.instance(), server.endpoint, timeout=5)
+        try:
+            with pytest.raises(NoWorkerError, match="restarted"):
+                await c.route([1], 16, None)
+            with pytest.raises(RouterError, match=rf"router at {server.endpoint}: KeyError"):
+                await c.route([1], -1, None)
+            assert not c.closed   # an error is an answer: the channel stays
+        finally:
+            c.close()
+    try:
+        asyncio.run(main())
+    finally:
+        server.close()
+    assert calls == [16, -1]
+
+
+def test_a_request_that_does_not_decode_is_answered_as_a_value_error():
+    rid, err = decode_reply(answer(lambda *a: None, b"\x93\x07\xa1x\x01"), "r")   # [7, "x", 1]
+    assert rid == 7 and isinstance(err, RouterError) and "ValueError" in str(err)
+    rid, r = decode_reply(answer(lambda k, n, a: Route("p", "d", len(k), {"L1": n}), encode_request(3, [1, 2], 9, [])),
+                          "r")
+    assert rid == 3 and r == Route("p", "d", 2, {"L1": 9})
+
+
+def _serve_slowly(endpoint_out) -> None:
+    """A router process whose routes take 60 s (killed by the test before any answers)."""
+    router = _router({"c0": "colocated"})
+    server = RouteServer(HOST, lambda keys, n, avoid: (time.sleep(60), router.route(keys, n, time.monotonic(), avoid))[1])
+    endpoint_out.put(server.endpoint)
+    time.sleep(120)
+
+
+def test_a_router_process_that_dies_fails_its_pending_requests_at_once():
+    mp = multiprocessing.get_context("spawn")
+    q = mp.Queue()
+    proc = mp.Process(target=_serve_slowly, args=(q,), daemon=True)
+    proc.start()
+    try:
+        endpoint = q.get(timeout=60)
+
+        async def main():
+            c = RouteClient(zmq.asyncio.Context.instance(), endpoint, timeout=30)
+            try:
+                pending = asyncio.ensure_future(c.route([1], 1, None))
+                await asyncio.sleep(0.3)
+                assert not pending.done()
+                t = time.monotonic()
+                os.kill(proc.pid, signal.SIGKILL)   # as ray.kill does: the socket closes with the process
+                with pytest.raises(ChannelDown, match="lost"):
+                    await pending
+                assert time.monotonic() - t < 5 and c.closed   # not the 30 s timeout
+                with pytest.raises(ChannelDown, match="closed"):
+                    await c.route([1], 1, None)
+            finally:
+                c.close()
+        asyncio.run(main())
+    finally:
+        proc.kill()
+        proc.join(10)
+
+
+def test_an_endpoint_nobody_listens_on_fails_fast_and_a_silent_one_times_out():
+    async def main():
+        ctx = zmq.asyncio.Context.instance()
+        c = RouteClient(ctx, f"tcp://{HOST}:{free_port()}", timeout=10)
+        t = time.monotonic()
+        with pytest.raises(ChannelDown):
+            await c.route([1], 1, None)
+        assert time.monotonic() - t < 5 and c.closed
+        # A peer that takes the connection and never answers (a hung router): the timeout.
+        silent = zmq.Context.instance().socket(zmq.ROUTER)
+        silent.setsockopt(zmq.LINGER, 0)
+        port = silent.bind_to_random_port(f"tcp://{HOST}")
+        c = RouteClient(ctx, f"tcp://{HOST}:{port}", timeout=0.3)
+        try:
+            with pytest.raises(ChannelDown, match="no answer in 0.3s"):
+                await c.route([1], 1, None)
+            assert not c.closed   # a slow answer is not a lost connection: the caller decides
+        finally:
+            c.close()
+            silent.close()
+    asyncio.run(main())
