@@ -417,9 +417,10 @@ def _http_rows(srv: Server, reps: dict) -> dict:
 # ---- hop by hop (colocated, one request at a time) -----------------------------------------------------
 def hops(n: int, name: str = "colocated", switch_interval: float | None = None) -> dict:
     """Round trips of each hop of the colocated path, timed from a Ray driver beside the cluster (sequential,
-    ``n`` each): a bare actor call (worker.ping), the router's route, the worker's stream alone (first item
-    of a cached 512-token prompt; 64 tokens), and over HTTP /v1/models (proxy + replica + FastAPI, no
-    backend), /generate of 1 and of 64 tokens. The differences name what each layer adds."""
+    ``n`` each): a bare actor call (worker.ping), the router's route (over Ray, and over its route channel
+    as the ingress asks it), the worker's stream alone (first item of a cached 512-token prompt; 64
+    tokens), and over HTTP /v1/models (proxy + replica + FastAPI, no backend), /generate of 1 and of 64
+    tokens. The differences name what each layer adds."""
     import asyncio
     import httpx
     from cluster.launch import set_ray_env
@@ -455,7 +456,8 @@ def hops(n: int, name: str = "colocated", switch_interval: float | None = None) 
             from actors.token_channel import ChannelClient, request_items, settle
             import uuid
             import zmq.asyncio
-            chan = ChannelClient(zmq.asyncio.Context(), ray.get(worker.token_channel.remote()), uuid.uuid4().bytes)
+            chan_ctx = zmq.asyncio.Context()
+            chan = ChannelClient(chan_ctx, ray.get(worker.token_channel.remote()), uuid.uuid4().bytes)
             await chan.ready(10)
 
             async def channel(k):   # what the ingress does: one submit, the items over the token channel
@@ -485,6 +487,12 @@ def hops(n: int, name: str = "colocated", switch_interval: float | None = None) 
                     r.raise_for_status()
                 await timed("worker.ping (bare actor call)", lambda: worker.ping.remote())
                 await timed("router.route (512-token keys)", lambda: router.route.remote(keys, len(long), []))
+                endpoint = await router.route_endpoint.remote() if hasattr(router, "route_endpoint") else None
+                if endpoint is not None:   # what the ingress does (actors/route_channel.py)
+                    from actors.route_channel import RouteClient
+                    rc = RouteClient(chan_ctx, endpoint)
+                    await timed("router.route over the route channel (ZMQ)", lambda: rc.route(keys, len(long), []))
+                    rc.close()
                 await timed("worker.generate stream, 1 new (cached 512)", lambda: first(1))
                 await timed("worker.submit + token channel, 1 new (cached 512)", lambda: channel(1))
                 await timed("HTTP GET /v1/models", lambda: http.get(f"{srv.url}/v1/models"))
