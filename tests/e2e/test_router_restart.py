@@ -2,7 +2,8 @@
 replay buffer far smaller than the history they published (tests/e2e/conftest.py): the restarted router
 rebuilds its index from the workers' KV-event streams (replay, then the snapshots it asks for), the index
 then equals the workers' trees, prefix routing finds the conversations cached before the kill as it found
-them before, and no answer has a wrong token.
+them before, and no answer has a wrong token. The ingress asks the router over its route channel
+(actors/route_channel.py) before the kill and, once it found the new endpoint, after it.
 
 Runs last of the package (file order) so no other test sees the restart; the cluster is left healthy."""
 from __future__ import annotations
@@ -86,6 +87,8 @@ def test_router_killed_under_load_rebuilds_its_index_and_routing(cluster):
     before = [a.turn(c) for c in range(6)] + [a.turn(c) for c in range(6)]
     st = ray.get(router.status.remote(), timeout=30)
     pages_before = st["indexed_pages"]
+    channel_before = st["route_channel"]
+    assert channel_before["answered"] >= len(before), channel_before   # the ingress asks over ZMQ
 
     # Load: clients keep conversations of their own going while the router is killed. A fixed number of
     # turns, with the kill after the first ones: how much the load caches (and so evicts of b's
@@ -147,6 +150,11 @@ def test_router_killed_under_load_rebuilds_its_index_and_routing(cluster):
     hit_before, hit_after = _own_hit(before), _own_hit(after)
     print({"own_tier_hit_before": round(hit_before, 3), "own_tier_hit_after": round(hit_after, 3)})
     assert hit_after >= hit_before - 0.02, (hit_before, hit_after)
+    # The ingress found the restarted router's new route channel (a request or so per replica went over
+    # Ray while it did).
+    channel_after = ray.get(router.status.remote(), timeout=30)["route_channel"]
+    assert channel_after["endpoint"] != channel_before["endpoint"], channel_after
+    assert channel_after["answered"] >= len(after) - 4, channel_after
     # One request at a time: the router's prediction is the delivered hit, token for token.
     for m in after:
         assert m["route"]["predicted_cached_tokens"] == m["cached_tokens"], m
