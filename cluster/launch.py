@@ -223,9 +223,11 @@ def start_actors(cfg: ClusterConfig, detached: bool = False, ready_timeout: floa
     ns = cfg.ray.namespace
     hc = engine_cfg.hicache
     l3_model = model_id(path, mc, engine_cfg) if hc is not None and hc.l3 is not None else None
+    # The router's route channel binds where the workers' token channels do (the KV events' host, or auto).
     router = PrefixRouterActor.options(name=ROUTER_ACTOR, namespace=ns, num_cpus=0.1, get_if_exists=True,
                                        **wk.place_service(cfg, "router"), **life).remote(
-        cfg.router, geometry, storage=STORAGE_ACTOR if l3_model else None)
+        cfg.router, geometry, storage=STORAGE_ACTOR if l3_model else None,
+        host=None if cfg.kv_events.host == "auto" else cfg.kv_events.host)
     storage = _start_storage(cfg, life, l3_model, (geometry.page_size, geometry.window or 0))
     if storage is not None:   # workers open L3 with the storage actor's connection info
         l3 = ray.get(storage.worker_config.remote(), timeout=ready_timeout)
