@@ -127,8 +127,8 @@ class RayBackend:
 
     async def _route_once(self, keys: list[int], n: int, avoid: list[str]) -> Route:
         """One ask: over the channel, or over Ray when the channel cannot answer (then dropped: the next
-        request asks the router where it listens now). The router counts the load of what it answered,
-        so a request goes over Ray only when the channel gave no answer."""
+        request asks the router where it listens now). A request whose answer timed out may be counted
+        twice in the router's load: an estimate anyway, until the worker's next report."""
         client = await self._route_client()
         if client is not None:
             try:
