@@ -2,7 +2,9 @@
 the router picks a prefill worker (and a decode worker), the decode worker leases pages for the prompt's
 KV, the prefill worker sends the KV into them over the configured transfer backend (storage/transfer:
 Ray object store by default, NIXL or Mooncake), and tokens stream back over each worker's token channel
-(actors/token_channel.py: one ZMQ message per engine step, not a Ray object per token).
+(actors/token_channel.py: one ZMQ message per engine step, not a Ray object per token). A request served
+by one worker goes to it over that channel too (no Ray call per request); the decode half of a P/D
+request is a Ray call, which carries the prefill side's receipt.
 
 The router is asked over its route channel (actors/route_channel.py: one ZMQ round trip, ~0.08 ms, where
 a Ray actor call costs ~1 ms and CPU on both sides), one per replica, opened on first use from the
@@ -228,9 +230,24 @@ class RayBackend:
         self.workers[decode].cancel.remote(lease_id)
 
     async def generate(self, worker: str, ids: list[int], params: SamplingParams) -> AsyncIterator[StreamItem]:
-        handle = self.workers[worker]
-        async for item in self._over_channel(worker, lambda ch, key: handle.submit.remote(ids, params, ch, key)):
-            yield item
+        """One request on ``worker``, sent over its token channel (no Ray call: ChannelClient.submit); its
+        items come back there. A worker that dies (the channel's connection drops) is WorkerFailed, which
+        the caller retries; closing this early aborts the request on the worker."""
+        client = await self._channel(worker)
+        key, q = client.open()
+        finished = False
+        try:
+            client.submit(key, ids, params)
+            async for item in request_items(q, self.timeout, CHANNEL_GRACE_S):
+                finished = item.finished
+                yield item
+        except ChannelLost as e:
+            self._drop_channel(worker, client)
+            raise WorkerFailed(f"worker {worker}'s token channel: {e}", (worker,)) from None
+        finally:
+            client.release(key)
+            if not finished:   # the client left, a timeout
+                client.abort(key)
 
     # ---- the token channel (actors/token_channel.py) --------------------------------------------------
     async def _over_channel(self, worker: str, submit: Callable[[bytes, int], ray.ObjectRef]
@@ -278,8 +295,8 @@ class RayBackend:
     async def _connect(self, worker: str) -> ChannelClient:
         if self._zmq is None:
             self._zmq = zmq.asyncio.Context()
-        endpoint = await asyncio.wait_for(self.workers[worker].token_channel.remote(), self.timeout)
-        c = ChannelClient(self._zmq, endpoint, uuid.uuid4().bytes)
+        endpoint, requests = await asyncio.wait_for(self.workers[worker].channel_endpoints.remote(), self.timeout)
+        c = ChannelClient(self._zmq, endpoint, uuid.uuid4().bytes, requests)
         try:
             await c.ready(CHANNEL_CONNECT_S)
         except asyncio.TimeoutError:

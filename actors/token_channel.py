@@ -5,11 +5,19 @@ ingress, beside Ray (no Ray here).
         --(one message per ingress per step)--> ChannelClient (DEALER, one per worker in each ingress
         replica) --(demultiplexed)--> one asyncio queue per request
 
-Ray still carries the request itself (one call per request, which returns when the request is over) and
-with it what Ray does well: a worker that dies fails that call, and cancelling it aborts the request. The
-tokens do not ride on it: a Ray streamed object per token costs ~1 ms of CPU in the worker and more in
-the ingress (pickled, stored, one RPC each), a step's items for every request of one ingress cost one
-message here.
+The tokens do not ride on Ray: a Ray streamed object per token costs ~1 ms of CPU in the worker and more
+in the ingress (pickled, stored, one RPC each), a step's items for every request of one ingress cost one
+message here. Requests come two ways:
+
+* over the channel itself (``ChannelClient.submit``): a PUSH beside the DEALER sends ``[SUBMIT, identity,
+  key, request]`` to the worker's PULL, whose own thread hands it to the engine thread (``on_request``);
+  ``[ABORT, identity, key]`` stops it. No Ray call: a Ray actor call costs ~1 ms of latency and ~0.3 ms
+  of CPU on each side, a ZMQ hop ~0.1 ms. What Ray's call gave is kept otherwise: a request the worker
+  refuses comes back as ``[ERROR, payload]`` and is raised as its kind (ValueError, MemoryError); a worker
+  that dies drops the DEALER's connection (or stops answering its heartbeats), which fails every open
+  request of that client at once (``ChannelLost``).
+* through a Ray call per request (``WorkerActor.submit_leased``, whose receipt is a Ray object), which
+  returns when the request is over: a worker that dies fails that call, cancelling it aborts the request.
 
 Handshake: a client connects and says HELLO with its routing id; the server records the id and answers
 ACK. Only then does the ingress send requests naming that id (``route`` refuses an id it never heard
@@ -19,7 +27,10 @@ so on the first request instead of sending its items nowhere.
 
 Wire (frames after the ROUTER's routing id): ``[HELLO]`` / ``[ACK]``; ``[ITEMS, payload]``, payload a
 msgpack array of ``[key, *StreamItem fields]`` in the dataclass's order (TokenLogprob as arrays), or
-``[PICKLED, payload]`` for a batch msgpack cannot encode (a value of an unexpected type).
+``[PICKLED, payload]`` for a batch msgpack cannot encode (a value of an unexpected type); ``[ERROR,
+payload]``, msgpack ``[key, kind, message]``. Requests (PUSH -> PULL): ``[SUBMIT, identity, key,
+pickle((prompt ids, SamplingParams))]`` (pickled as Ray would: both ends are the cluster's own
+processes), ``[ABORT, identity, key]``.
 """
 from __future__ import annotations
 
@@ -29,18 +40,26 @@ import logging
 import pickle
 import select
 import threading
-from typing import AsyncIterator, Awaitable, Iterable, NamedTuple
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, NamedTuple
 
 import msgspec
 import zmq
 import zmq.asyncio
+import zmq.utils.monitor
 
 from engine.async_engine import StreamItem
 from engine.sampling import TokenLogprob
 
 log = logging.getLogger("strata.token_channel")
 
-HELLO, ACK, ITEMS, PICKLED = b"H", b"A", b"I", b"P"
+HELLO, ACK, ITEMS, PICKLED, ERROR, SUBMIT, ABORT = b"H", b"A", b"I", b"P", b"E", b"S", b"X"
+HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 1000, 5000
+"""A client pings its worker's socket this often and counts it gone when no answer comes this long (a
+node lost without its TCP connections closing). libzmq's own I/O thread answers, so a worker busy in
+Python does not miss them."""
+ERROR_KINDS: dict[str, type[Exception]] = {"ValueError": ValueError, "MemoryError": MemoryError}
+"""The kinds a refused request is raised as at the ingress (the HTTP layer's 4xx); any other is a
+RuntimeError, as a Ray call's would be."""
 _HELLO_POLL_S = 0.1    # the server's hello thread: at most this late when a send consumed the FD's edge
 
 
@@ -108,7 +127,8 @@ class ChannelServer:
     dropped by ZMQ). A small thread answers the clients' hellos. The socket is shared by the two threads
     under a lock (ZMQ sockets may change threads across a full barrier), as the KV-event publisher does."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, on_request: Callable[[Route, Any, Any], None] | None = None,
+                 on_abort: Callable[[Route], None] | None = None) -> None:
         self._ctx = zmq.Context(1)
         self._sock = self._ctx.socket(zmq.ROUTER)
         for opt, v in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.ROUTER_HANDOVER, 1)):
@@ -125,6 +145,19 @@ class ChannelServer:
         self.sent_messages = 0   # messages of items sent (tests, profiling)
         self._thread = threading.Thread(target=self._serve_hellos, name="strata-token-channel", daemon=True)
         self._thread.start()
+        # Requests over the channel: a PULL of its own, read by its own thread (blocked in recv, without
+        # the GIL), so a request never waits on the ROUTER's shared socket and its lock.
+        self.on_request, self.on_abort = on_request, on_abort
+        self.requests_endpoint: str | None = None
+        self.received_requests = 0
+        if on_request is not None:
+            self._pull = self._ctx.socket(zmq.PULL)
+            for opt, v in ((zmq.LINGER, 0), (zmq.RCVHWM, 0)):
+                self._pull.setsockopt(opt, v)
+            self.requests_endpoint = f"tcp://{host}:{self._pull.bind_to_random_port(f'tcp://{host}')}"
+            self._req_thread = threading.Thread(target=self._serve_requests, name="strata-token-requests",
+                                                daemon=True)
+            self._req_thread.start()
 
     def route(self, channel: bytes, key: int) -> Route:
         """The route of a request from the client ``channel``; StaleChannel if it never said hello here."""
@@ -144,6 +177,38 @@ class ChannelServer:
             for m in msgs:
                 self._sock.send_multipart(m, copy=False)
             self.sent_messages += len(msgs)
+
+    def send_error(self, route: Route, e: BaseException) -> None:
+        """A request refused (at admission): its kind and message to its client, which raises it."""
+        payload = _encoder.encode([route.key, type(e).__name__, str(e)[:2000]])
+        with self._lock:
+            if not self._closed.is_set():
+                self._sock.send_multipart((route.channel, ERROR, payload), copy=False)
+
+    def _serve_requests(self) -> None:
+        while not self._closed.is_set():
+            try:
+                frames = self._pull.recv_multipart()
+            except zmq.ZMQError:   # the context is terminating (close): this thread owns the socket
+                self._pull.close(linger=0)
+                return
+            try:
+                kind, channel, key = frames[0], frames[1], int.from_bytes(frames[2], "little")
+                if kind == SUBMIT and len(frames) == 4:
+                    self.received_requests += 1
+                    route = Route(channel, key)
+                    try:
+                        ids, params = pickle.loads(frames[3])
+                    except Exception as e:  # noqa: BLE001 - a request that cannot be read is refused, not dropped
+                        self.send_error(route, ValueError(f"request cannot be read: {e!r}"))
+                        continue
+                    self.on_request(route, ids, params)
+                elif kind == ABORT and self.on_abort is not None:
+                    self.on_abort(Route(channel, key))
+                else:
+                    log.warning("token channel: unexpected request of %d frames", len(frames))
+            except Exception:  # noqa: BLE001 - one bad request must not stop the others
+                log.exception("token channel: handling a request failed")
 
     def _serve_hellos(self) -> None:
         fd = self._sock.getsockopt(zmq.FD)
@@ -169,7 +234,11 @@ class ChannelServer:
             self._closed.set()
             self._sock.close(linger=0)
         self._thread.join(timeout=2)
+        # Ends the request thread's blocking recv (ETERM), which then closes its socket; term returns once
+        # it has.
         self._ctx.term()
+        if self.on_request is not None:
+            self._req_thread.join(timeout=2)
 
 
 class ChannelClient:
@@ -177,17 +246,30 @@ class ChannelClient:
     that opened it) puts each item into its request's queue. Items of a key nobody waits for (a request
     already closed) are dropped."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, identity: bytes) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, identity: bytes,
+                 requests_endpoint: str | None = None) -> None:
         self.endpoint, self.identity = endpoint, identity
         self._sock = ctx.socket(zmq.DEALER)
-        for opt, v in ((zmq.LINGER, 0), (zmq.RCVHWM, 0), (zmq.SNDHWM, 0), (zmq.ROUTING_ID, identity)):
+        for opt, v in ((zmq.LINGER, 0), (zmq.RCVHWM, 0), (zmq.SNDHWM, 0), (zmq.ROUTING_ID, identity),
+                       (zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS), (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)):
             self._sock.setsockopt(opt, v)
+        # The worker gone (its process dead: the connection drops; its node lost: the heartbeats stop):
+        # every open request of this client fails at once.
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(endpoint)
+        self._push = None
+        if requests_endpoint is not None:
+            self._push = ctx.socket(zmq.PUSH)
+            for opt, v in ((zmq.LINGER, 0), (zmq.SNDHWM, 0)):
+                self._push.setsockopt(opt, v)
+            self._push.connect(requests_endpoint)
         self._queues: dict[int, asyncio.Queue] = {}
         self._keys = itertools.count()
         self.loop = asyncio.get_running_loop()   # the reader's: a client serves requests on this loop only
         self._acked = self.loop.create_future()
         self._reader = asyncio.ensure_future(self._read())
+        self._watcher = asyncio.ensure_future(self._watch())
+        self._released = False
         self.dropped = 0   # items that came for no open request
         self.received_messages = 0
         self.closed = False
@@ -206,6 +288,35 @@ class ChannelClient:
     def release(self, key: int) -> None:
         self._queues.pop(key, None)
 
+    def submit(self, key: int, ids: list[int], params: Any) -> None:
+        """Send request ``key`` (``open`` it first) to the worker over the channel; its items, or the error
+        that refused it, or the channel's loss, come in its queue."""
+        if self._push is None:
+            raise RuntimeError(f"token channel {self.endpoint}: opened without the worker's request endpoint")
+        if self.closed:
+            raise ChannelLost(f"token channel {self.endpoint} is closed")
+        self._push.send_multipart((SUBMIT, self.identity, key.to_bytes(8, "little"),
+                                   pickle.dumps((ids, params), protocol=pickle.HIGHEST_PROTOCOL)), copy=False)
+
+    def abort(self, key: int) -> None:
+        """Stop request ``key`` on the worker (its client left); a no-op for one already over."""
+        if self._push is not None and not self.closed:
+            self._push.send_multipart((ABORT, self.identity, key.to_bytes(8, "little")))
+
+    async def _watch(self) -> None:
+        try:
+            while True:
+                msg = await self._monitor.recv_multipart()
+                if zmq.utils.monitor.parse_monitor_message(msg)["event"] == zmq.EVENT_DISCONNECTED:
+                    break
+        except (asyncio.CancelledError, zmq.ZMQError):
+            return
+        log.warning("token channel %s: the worker's connection dropped", self.endpoint)
+        self.closed = True
+        lost = ChannelLost(f"the connection to the worker's token channel {self.endpoint} dropped")
+        for q in list(self._queues.values()):
+            q.put_nowait(lost)
+
     async def _read(self) -> None:
         try:
             while True:
@@ -214,6 +325,12 @@ class ChannelClient:
                 if kind == ACK:
                     if not self._acked.done():
                         self._acked.set_result(None)
+                    continue
+                if kind == ERROR:
+                    key, name, message = msgspec.msgpack.decode(frames[1])
+                    q = self._queues.get(key)
+                    if q is not None:
+                        q.put_nowait(ERROR_KINDS.get(name, RuntimeError)(message))
                     continue
                 self.received_messages += 1
                 try:
@@ -241,14 +358,22 @@ class ChannelClient:
                 q.put_nowait(RuntimeError(f"token channel {self.endpoint}: cannot read an item: {e!r}"))
 
     def close(self) -> None:
-        if self.closed:
+        if self._released:   # (``closed`` may be set already: the connection dropped, the sockets are still ours)
             return
-        self.closed = True
+        self.closed = self._released = True
         try:
             self._reader.cancel()
-        except RuntimeError:   # its loop is closed already: so is the reader
+            self._watcher.cancel()
+        except RuntimeError:   # its loop is closed already: so are the reader and the watcher
             pass
+        try:
+            self._sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
+        if self._push is not None:
+            self._push.close(linger=0)
 
 
 RETURNED = object()   # in a request's queue: its call returned (its last item is due, if not already there)

@@ -59,7 +59,8 @@ class WorkerActor:
         # The ingress's requests (submit, submit_leased) stream their items over the token channel: one
         # message per step and ingress replica (actors/token_channel.py), on this node's address as the
         # KV events are.
-        self.channel = ChannelServer(channel_host(kv_events))
+        self.channel = ChannelServer(channel_host(kv_events), on_request=self._channel_request,
+                                     on_abort=self.core.abort_routed)
         self.core.on_step = self.channel.send_step
         self.router = router
         self.report_interval = report_interval
@@ -392,6 +393,19 @@ class WorkerActor:
     async def token_channel(self) -> str:
         """Where this worker's token channel is (a ZMQ address); a restarted worker has a new one."""
         return self.channel.endpoint
+
+    async def channel_endpoints(self) -> tuple[str, str]:
+        """(the token channel's address, where requests over it go): ChannelClient's two ends."""
+        return self.channel.endpoint, self.channel.requests_endpoint
+
+    def _channel_request(self, route, ids, params) -> None:
+        """A request that came over the token channel (its request thread): straight to the engine thread,
+        its items back on the channel, a refusal as the client's error."""
+        if not isinstance(params, SamplingParams):
+            self.channel.send_error(route, ValueError(f"sampling params: expected SamplingParams, "
+                                                      f"got {type(params).__name__}"))
+            return
+        self.core.submit_routed(ids, params, route, self.channel.send_error)
 
     async def submit(self, ids: list[int], params: SamplingParams, channel: bytes, key: int) -> None:
         """Run one request; its items go to the ingress ``channel`` (which said hello to this worker's token

@@ -82,6 +82,10 @@ class AsyncEngine:
         self.on_step: Callable[[list[tuple[Any, StreamItem]]], None] | None = None
         self._routed: list[tuple[Any, StreamItem]] = []
         self._routed_last: list[tuple[_Sink, StreamItem]] = []
+        # Requests admitted by ``submit_routed`` (no event loop: a token channel's), by their route, and
+        # those a flush's hold keeps out for now (admitted when it ends).
+        self._by_route: dict[Any, str] = {}
+        self._deferred: list[Callable[[], None]] = []
         self._thread = threading.Thread(target=self._run, name=f"strata-{name}", daemon=True)
         self._thread.start()
 
@@ -95,12 +99,16 @@ class AsyncEngine:
                 if busy:
                     cmd = self._cmds.get_nowait()
                 else:  # idle: still apply finished background copies (L2 backups, L3 writes) promptly
-                    cmd = self._cmds.get(timeout=0.01 if copying else None)
+                    cmd = self._cmds.get(timeout=0.01 if copying or self._deferred else None)
             except queue.Empty:
                 cmd = None
             polled = copying and not busy
             if polled:
                 cache.poll()
+            if self._deferred and not self.held():
+                deferred, self._deferred = self._deferred, []
+                for add in deferred:
+                    add()
             if cmd is not None:
                 cmd()
                 while True:  # drain the rest before stepping
@@ -134,7 +142,8 @@ class AsyncEngine:
             except Exception as e:  # noqa: BLE001 - the channel closing (shutdown) must not stop the engine
                 log.warning("handing a step's items on failed: %r", e)
         for sink, item in last:
-            sink.loop.call_soon_threadsafe(sink.items.put_nowait, item)
+            if sink.loop is not None:   # (a request of submit_routed has no reader to tell)
+                sink.loop.call_soon_threadsafe(sink.items.put_nowait, item)
 
     def _put(self, sink: _Sink, item: StreamItem) -> None:
         if sink.route is None:
@@ -169,6 +178,8 @@ class AsyncEngine:
             stream.payload = req.kv_payload
             item.matched_stop = out.matched_stop
             self._streams.pop(rid, None)
+            if stream.loop is None:
+                self._by_route.pop(stream.route, None)
         self._put(stream, item)
 
     def _fail_all(self, msg: str) -> None:
@@ -177,6 +188,7 @@ class AsyncEngine:
                 self.engine.abort(rid)
                 self.engine.pop_finished(rid)
             self._put(self._streams.pop(rid), StreamItem(rid, [], True, "error", error=msg))
+        self._by_route.clear()
         self._flush_routed()
 
     def call(self, fn: Callable[[Engine], Any]) -> "asyncio.Future":
@@ -238,7 +250,9 @@ class AsyncEngine:
                 self._cmds.put(lambda: self._abort_now(rid))
 
     def _abort_now(self, rid: str) -> None:
-        self._streams.pop(rid, None)
+        sink = self._streams.pop(rid, None)
+        if sink is not None and sink.loop is None:
+            self._by_route.pop(sink.route, None)
         if rid in self.engine.requests:
             self.engine.abort(rid)
             self.engine.pop_finished(rid)
@@ -259,6 +273,47 @@ class AsyncEngine:
         the last (closing it early aborts the request all the same)."""
         rid = rid or self.new_rid()
         return self._stream(rid, lambda e: e.add_request(prompt, params, rid), self._sink(route))
+
+    def submit_routed(self, prompt, params: SamplingParams, route: Any,
+                      refused: Callable[[Any, BaseException], None]) -> None:
+        """``generate`` with a ``route`` for a caller without an event loop (a token channel's request
+        thread): queued to the engine thread and returned at once. Every item goes to ``on_step``; a request
+        the engine refuses goes to ``refused(route, error)`` instead. A flush's hold defers the admission
+        until it ends. ``abort_routed(route)`` stops it."""
+        if self.on_step is None:
+            raise ValueError("a routed request needs on_step (where its items go)")
+        rid = self.new_rid()
+
+        def add() -> None:
+            if self.held():
+                self._deferred.append(add)
+                return
+            sink = _Sink(None, None, route=route)   # type: ignore[arg-type]
+            self._streams[rid] = sink
+            self._by_route[route] = rid
+            try:
+                self.engine.add_request(prompt, params, rid)
+            except BaseException as e:  # noqa: BLE001 - refused: said to its client, the engine goes on
+                self._streams.pop(rid, None)
+                self._by_route.pop(route, None)
+                refused(route, e)
+                return
+            req = self.engine.requests.get(rid)
+            if req is not None and req.status is Status.FINISHED:  # finished on admission
+                self._emit(rid, list(req.output_ids), True)
+
+        add.route = route   # type: ignore[attr-defined]   (abort_routed finds a deferred one by it)
+        self._cmds.put(add)
+
+    def abort_routed(self, route: Any) -> None:
+        """Stop the ``submit_routed`` request of ``route`` (a no-op once it is over)."""
+        def stop() -> None:
+            rid = self._by_route.pop(route, None)
+            if rid is not None:
+                self._abort_now(rid)
+            else:   # still held back by a flush: never admitted
+                self._deferred = [a for a in self._deferred if getattr(a, "route", None) != route]
+        self._cmds.put(stop)
 
     async def prefill(self, prompt, params: SamplingParams, rid: str | None = None) -> PrefillResult:
         """Compute the prompt and its first token only, keeping the prompt's KV for a decode engine (a

@@ -276,3 +276,131 @@ def test_engine_to_client_over_a_socket(core, server):
 async def _run(gen):
     async for _ in gen:
         pass
+
+
+# ---- requests over the channel: no Ray call (ChannelClient.submit -> the worker's request thread) ----
+
+@pytest.fixture
+def serving(core):
+    """A server whose requests go straight to the engine thread, as WorkerActor wires it."""
+    s = ChannelServer("127.0.0.1", on_request=lambda route, ids, params: core.submit_routed(
+        ids, params, route, s.send_error), on_abort=core.abort_routed)
+    core.on_step = s.send_step
+    yield s
+    s.close()
+
+
+async def _requester(server, ctx):
+    c = ChannelClient(ctx, server.endpoint, uuid.uuid4().bytes, server.requests_endpoint)
+    await c.ready(5)
+    return c
+
+
+async def _items(q, timeout=30.0):
+    return [i async for i in request_items(q, timeout, 5.0)]
+
+
+def test_requests_sent_over_the_channel_stream_the_engines_items(core, serving):
+    sp = SamplingParams(max_new_tokens=7, ignore_eos=True, logprobs=True, top_logprobs=2)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], list(range(40))]
+
+    async def main():
+        direct = [[i async for i in core.generate(p, sp)] for p in prompts]
+        ctx = zmq.asyncio.Context()
+        c = await _requester(serving, ctx)
+        keys = [c.open() for _ in prompts]
+        for (k, _), p in zip(keys, prompts):
+            c.submit(k, p, sp)
+        got = await asyncio.gather(*(_items(q) for _, q in keys))
+        c.close()
+        ctx.term()
+        return direct, got
+    direct, got = asyncio.run(main())
+
+    def strip(items):   # tokens (the logprobs' values depend on the batch they were computed in)
+        return ([t for i in items for t in i.token_ids], [lp.token_id for i in items for lp in i.logprobs],
+                [len(lp.top) for i in items for lp in i.logprobs], items[-1].finish_reason)
+    assert [strip(g) for g in got] == [strip(d) for d in direct]
+    assert all(g[-1].finished and g[-1].prompt_tokens == len(p) for g, p in zip(got, prompts))
+    assert serving.received_requests == 3
+    assert not core.engine.requests and not core._by_route
+
+
+def test_a_refused_request_is_raised_as_its_kind_and_others_go_on(core, serving):
+    async def main():
+        ctx = zmq.asyncio.Context()
+        c = await _requester(serving, ctx)
+        (kb, qb), (kg, qg) = c.open(), c.open()
+        c.submit(kb, [1, 10**9], SamplingParams(max_new_tokens=2))      # a token id outside the vocabulary
+        c.submit(kg, [1, 2], SamplingParams(max_new_tokens=2, ignore_eos=True))
+        with pytest.raises(ValueError, match="prompt"):
+            await _items(qb)
+        good = await _items(qg)
+        c._push.send_multipart((b"S", c.identity, (99).to_bytes(8, "little"), b"not a pickle"))
+        k3, q3 = 99, asyncio.Queue()
+        c._queues[k3] = q3
+        with pytest.raises(ValueError, match="cannot be read"):
+            await _items(q3)
+        c.close()
+        ctx.term()
+        return good
+    assert sum(len(i.token_ids) for i in asyncio.run(main())) == 2
+
+
+def test_an_abort_over_the_channel_stops_the_request(core, serving):
+    async def main():
+        ctx = zmq.asyncio.Context()
+        c = await _requester(serving, ctx)
+        k, q = c.open()
+        c.submit(k, [7, 7, 7], SamplingParams(max_new_tokens=3000, ignore_eos=True))
+        await q.get()
+        c.abort(k)
+        for _ in range(300):
+            if not await core.call(lambda e: bool(e.requests)):
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the aborted request still runs")
+        c.close()
+        ctx.term()
+    asyncio.run(main())
+    assert not core._by_route
+
+
+def test_a_flush_hold_defers_a_request_over_the_channel_until_it_ends(core, serving):
+    async def main():
+        ctx = zmq.asyncio.Context()
+        c = await _requester(serving, ctx)
+        assert await core.hold(30.0) is None
+        k, q = c.open()
+        c.submit(k, [5, 6], SamplingParams(max_new_tokens=2, ignore_eos=True))
+        await asyncio.sleep(0.2)
+        assert q.empty() and not await core.call(lambda e: bool(e.requests))   # not admitted while held
+        core.release()
+        got = await _items(q)
+        c.close()
+        ctx.term()
+        return got
+    assert sum(len(i.token_ids) for i in asyncio.run(main())) == 2
+
+
+def test_a_worker_that_goes_away_fails_every_open_request_of_its_channel(core):
+    s = ChannelServer("127.0.0.1", on_request=lambda route, ids, params: None)   # takes requests, answers none
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        c = await _requester(s, ctx)
+        opened = [c.open() for _ in range(3)]
+        for k, _ in opened:
+            c.submit(k, [1], SamplingParams(max_new_tokens=1))
+        await asyncio.sleep(0.1)
+        s.close()       # as a dead worker's process: its sockets close
+        for _, q in opened:
+            with pytest.raises(ChannelLost, match="dropped"):
+                await _items(q, timeout=10)
+        assert c.closed
+        with pytest.raises(ChannelLost):
+            c.submit(c.open()[0], [1], SamplingParams(max_new_tokens=1))
+        c.close()
+        ctx.term()
+    asyncio.run(main())
