@@ -340,12 +340,13 @@ class WorkerActor:
                 await asyncio.to_thread(self._peer, decode)
         elif notify is not None:
             self.peers[decode] = notify
-        if reserving and decode not in self.peers:
+        handle = self.peers.get(decode)
+        if reserving and handle is None:
             raise PeerFailed(f"decode worker {decode} not found", decode)
         self.sends.begin(dest.lease_id, decode if notify is not None or reserving else "")
         # The reserve goes out before the prompt is computed and is never cancelled: whether it leased
         # pages is known (and the end of the send told, below) only once it has answered.
-        leased = asyncio.ensure_future(self._reserve_on(dest)) if reserving else None
+        leased = asyncio.ensure_future(self._reserve_on(handle, dest)) if reserving else None
         in_flight = False
         try:
             return await self._prefill_send(ids, params, dest, leased)
@@ -358,18 +359,18 @@ class WorkerActor:
                 if self.transfer.one_sided:
                     self._tell_ended_once_leased(told, dest.lease_id, leased)
 
-    async def _reserve_on(self, res: Reservation) -> Destination:
-        """``res`` leased on its decode worker (its handle known); its refusals as the ingress knows them."""
+    async def _reserve_on(self, handle: ActorHandle, res: Reservation) -> Destination:
+        """``res`` leased on its decode worker (``handle``); its refusals as the ingress knows them."""
         try:
-            return await self.peers[res.decode].reserve.remote(res.prompt_len, self.worker_id, lease_id=res.lease_id)
+            return await handle.reserve.remote(res.prompt_len, self.worker_id, lease_id=res.lease_id)
         except ray.exceptions.RayTaskError as e:
             cause = e.cause
             if isinstance(cause, (ValueError, MemoryError, TransferError)):
                 raise cause from None
             raise RuntimeError(f"decode worker {res.decode}: reserve failed: {str(e).splitlines()[0]}") from None
         except ray.exceptions.RayActorError as e:
-            if isinstance(e, ray.exceptions.ActorDiedError):
-                self.peers.pop(res.decode, None)   # for good: a worker of that id started later is another actor
+            if isinstance(e, ray.exceptions.ActorDiedError) and self.peers.get(res.decode) is handle:
+                del self.peers[res.decode]   # for good: a worker of that id started later is another actor
             raise PeerFailed(f"decode worker {res.decode}: {str(e).splitlines()[0][:300]}", res.decode) from None
 
     def _tell_ended_once_leased(self, decode: str | None, lease_id: str, leased: asyncio.Future | None) -> None:
