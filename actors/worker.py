@@ -344,12 +344,14 @@ class WorkerActor:
         if reserving and handle is None:
             raise PeerFailed(f"decode worker {decode} not found", decode)
         self.sends.begin(dest.lease_id, decode if notify is not None or reserving else "")
-        # The reserve goes out before the prompt is computed and is never cancelled: whether it leased
-        # pages is known (and the end of the send told, below) only once it has answered.
+        # The prompt first (its task runs first: the engine thread starts on it), then the reserve's call,
+        # never cancelled: whether it leased pages is known (and the end of the send told, below) only
+        # once it has answered.
+        prefilling = asyncio.ensure_future(self.core.prefill(ids, params))
         leased = asyncio.ensure_future(self._reserve_on(handle, dest)) if reserving else None
         in_flight = False
         try:
-            return await self._prefill_send(ids, params, dest, leased)
+            return await self._prefill_send(prefilling, dest, leased)
         except TransferError as e:
             in_flight = e.in_flight       # its end is reported by the backend (_send_ended)
             raise
@@ -388,14 +390,14 @@ class WorkerActor:
         else:
             leased.add_done_callback(tell)
 
-    async def _prefill_send(self, ids: list[int], params: SamplingParams, dest: Destination | Reservation,
+    async def _prefill_send(self, prefilling: asyncio.Future, dest: Destination | Reservation,
                             leased: asyncio.Future | None) -> tuple[StreamItem, Receipt | None]:
         t0 = time.monotonic()
         if leased is None:
-            first, payload = await self.core.prefill(ids, params)
+            first, payload = await prefilling
         else:   # a reserve slower than the send's whole time leaves none to send
-            (first, payload), dest = await prefill_reserving(self.core.prefill(ids, params), leased,
-                                                             self.tcfg.transfer_timeout, f"decode worker {dest.decode}")
+            (first, payload), dest = await prefill_reserving(prefilling, leased, self.tcfg.transfer_timeout,
+                                                             f"decode worker {dest.decode}")
         if payload is None or first.finish_reason != "prefill":   # done at its first token: nothing to send
             return first, None
         if self.tcfg.debug_send_delay:
