@@ -1,23 +1,30 @@
-"""The prefill -> decode handoff of one request, as one typed protocol (plain: no Ray).
+r"""The prefill -> decode handoff of one request, as one typed protocol (plain: no Ray).
 
-    reserve (decode)  ->  prefill_to (prefill)  ->  decode_leased (decode)      ... cancel on any failure
+    prefill_to (prefill)  ------------------------------------>  decode_leased (decode)
+      |- reserve (decode)  \  at once, then the send into            ... cancel (decode) on any failure
+      |- prefill (its own) /  the leased pages
 
-The decode worker leases the pages the prompt's KV will occupy (a ``Reservation``); the prefill worker
-computes the prompt and sends its KV straight into them (storage/transfer), answering with the first
-token and a ``Receipt``; the decode worker commits the lease and streams the rest. Until the commit, any
-failure or a client that leaves cancels the lease (an unanswered one also expires on its own; a
-one-sided one is quarantined until its send is over), so no page is stranded.
+The ingress names the lease (``Reservation``: the decode worker, an id it makes up, the prompt's
+length) and asks the prefill worker alone: that worker has the decode worker lease the pages the
+prompt's KV will occupy while it computes the prompt itself (``prefill_reserving``), so the reserve's
+round trip is off the first token's path; then it sends the KV straight into them (storage/transfer),
+answering with the first token and a ``Receipt``; the decode worker commits the lease and streams the
+rest. Until the commit, any failure or a client that leaves cancels the lease by its id (a cancel that
+overtakes its reserve refuses it, engine/pd.py; an unanswered lease also expires on its own; a one-sided
+one is quarantined until its send is over), so no page is stranded.
 
 ``KVHandoff`` drives this over a ``Workers`` protocol; the Ray shell (actors/ingress.RayBackend)
 implements that protocol with the actors' ``.remote`` calls, their timeouts and their error mapping.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, AsyncIterator, NamedTuple, Protocol, TypeAlias
+import asyncio
+import uuid
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, NamedTuple, Protocol, TypeAlias
 
-from engine.async_engine import StreamItem
+from engine.async_engine import PrefillResult, StreamItem
 from engine.sampling import SamplingParams
-from storage.transfer import Destination
+from storage.transfer import Destination, TransferError
 from storage.transfer.base import Receipt
 
 if TYPE_CHECKING:   # only named in a type: the handoff itself runs without Ray
@@ -31,27 +38,42 @@ ReceiptRef: TypeAlias = "ObjectRef[Receipt | None] | Receipt | None"
 
 
 class Reservation(NamedTuple):
-    """Leased pages on a decode worker for one prompt, and how the prefill worker reaches them."""
+    """The pages one prompt is to lease on a decode worker, named before they are: the prefill worker
+    reserves them under ``lease_id``, and the ingress commits or cancels them by it."""
     decode: str
-    dest: Destination
+    lease_id: str
+    prompt_len: int
 
-    @property
-    def lease_id(self) -> str:
-        return self.dest.lease_id
+    @classmethod
+    def new(cls, decode: str, prompt_len: int) -> "Reservation":
+        # the shape the decode worker gives the ids it makes itself: whose lease it is shows in any log
+        return cls(decode, f"{decode}/{uuid.uuid4().hex[:12]}", prompt_len)
+
+
+class PeerFailed(RuntimeError):
+    """A worker could not reach the peer it hands a request to (``worker``: dead, restarting, gone):
+    the ingress answers it as that worker's failure, so a retry avoids it."""
+
+    def __init__(self, msg: str, worker: str) -> None:
+        super().__init__(msg)
+        self.worker = worker
+
+    def __reduce__(self):   # keep ``worker`` across processes
+        return (PeerFailed, (str(self), self.worker))
 
 
 class Workers(Protocol):
-    async def reserve(self, decode: str, prompt_len: int, prefill: str) -> Destination: ...
-
     async def prefill_to(self, prefill: str, ids: list[int], params: SamplingParams, res: Reservation
                          ) -> tuple[StreamItem, ReceiptRef]:
-        """(first token's StreamItem, the Receipt or a reference to it, passed on as is)."""
+        """(first token's StreamItem, the Receipt or a reference to it, passed on as is). The prefill
+        worker reserves ``res`` itself; a decode worker it cannot reach is a ``PeerFailed`` naming it."""
 
     def decode_leased(self, decode: str, ids: list[int], lease_id: str, receipt: ReceiptRef,
                       params: SamplingParams) -> AsyncIterator[StreamItem]: ...
 
     def cancel(self, decode: str, lease_id: str) -> None:
-        """Fire and forget: a no-op once committed; a dead worker holds no leases."""
+        """Fire and forget: a no-op once committed; a dead worker holds no leases; ahead of its reserve,
+        the lease is refused when that comes."""
 
     def generate(self, worker: str, ids: list[int], params: SamplingParams) -> AsyncIterator[StreamItem]: ...
 
@@ -69,7 +91,7 @@ class KVHandoff:
             async for item in self.workers.generate(prefill, ids, params):
                 yield item
             return
-        res = Reservation(decode, await self.workers.reserve(decode, len(ids), prefill))
+        res = Reservation.new(decode, len(ids))
         committed = False
         try:
             first, receipt = await self.workers.prefill_to(prefill, ids, params, res)
@@ -85,5 +107,43 @@ class KVHandoff:
                     item.cached_tokens, item.cached_tokens_by_tier = cached, by_tier
                 yield item
         finally:
-            if not committed:
+            if not committed:   # the lease may not exist yet (or ever): the decode side copes
                 self.workers.cancel(decode, res.lease_id)
+
+
+async def prefill_reserving(prefill: Awaitable[PrefillResult], reserve: "asyncio.Future[Destination]",
+                            wait: float, decode: str = "the decode worker") -> tuple[PrefillResult, Destination | None]:
+    """The prefill worker's half of a handoff: compute the prompt (``prefill``) while the decode worker
+    leases its pages (``reserve``, under way already). A reserve that fails first stops the prefill (its
+    KV would go nowhere) and raises the reserve's error. A prompt whose first token ended the request
+    needs no pages: (result, None) at once, the reserve left to land or not (its lease is the ingress's
+    to cancel). Else the Destination, waited for until ``wait`` seconds have passed since the call
+    (TransferError past that: no time would be left to send). ``reserve`` is never cancelled here: it is
+    a call to another process, whose outcome (a lease, or none) the caller may still need to know."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    task = asyncio.ensure_future(prefill)
+    try:
+        await asyncio.wait((task, reserve), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():             # the reserve answered first: its error stops the prefill (below)
+            reserve.result()
+        res = await task                    # the prefill's error, if it failed
+        if res.payload is None or res.first.finish_reason != "prefill":
+            return res, None
+        if not reserve.done():
+            await asyncio.wait((reserve,), timeout=max(deadline - loop.time(), 0.0))
+        if not reserve.done():
+            raise TransferError(f"{decode} did not lease the pages within {wait:.1f} s")
+        return res, reserve.result()
+    finally:
+        if not task.done():
+            task.cancel()       # aborts the engine's request: nothing is computed or exported for nobody
+        if not reserve.done():
+            reserve.add_done_callback(_retrieved)
+        elif not reserve.cancelled():
+            reserve.exception()   # an error nobody raised is not an "exception never retrieved"
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()

@@ -1,6 +1,7 @@
 """HTTP ingress: a Ray Serve deployment whose FastAPI app (actors/http_api.py) serves from the cluster:
-the router picks a prefill worker (and a decode worker), the decode worker leases pages for the prompt's
-KV, the prefill worker sends the KV into them over the configured transfer backend (storage/transfer:
+the router picks a prefill worker (and a decode worker), the prefill worker has the decode worker lease
+pages for the prompt's KV while it computes the prompt (actors/handoff.py), then sends the KV into them
+over the configured transfer backend (storage/transfer:
 Ray object store by default, NIXL or Mooncake), and tokens stream back over each worker's token channel
 (actors/token_channel.py: one ZMQ message per engine step, not a Ray object per token). A request served
 by one worker goes to it over that channel too (no Ray call per request); the decode half of a P/D
@@ -26,7 +27,7 @@ from ray.actor import ActorHandle
 
 from actors.frontend import ServiceUnavailable, WorkerFailed
 from actors.flush import flush_cluster
-from actors.handoff import KVHandoff, ReceiptRef, Reservation
+from actors.handoff import KVHandoff, PeerFailed, ReceiptRef, Reservation
 from actors.http_api import build_app
 from actors.prefix_router import Route
 from actors.route_channel import ChannelDown, RouteClient, RouterError
@@ -38,7 +39,7 @@ from engine.async_engine import StreamItem
 from engine.model.loader import sampling_defaults
 from engine.model.tokenizer import TextTokenizer
 from engine.sampling import SamplingParams
-from storage.transfer import Destination, TransferError
+from storage.transfer import TransferError
 
 if TYPE_CHECKING:
     from cluster.config import ClusterConfig
@@ -198,26 +199,18 @@ class RayBackend:
                 await asyncio.sleep(0.5)
 
     # ---- the handoff's Workers protocol (actors/handoff.py): the actors' calls, bounded, errors mapped ----
-    async def reserve(self, decode: str, prompt_len: int, prefill: str) -> Destination:
-        try:
-            return await asyncio.wait_for(
-                self.workers[decode].reserve.remote(prompt_len, prefill), self.timeout)
-        except ray.exceptions.RayTaskError as e:
-            raise _unwrap(e) from None
-        except asyncio.TimeoutError:
-            raise ServiceUnavailable(f"decode worker {decode} did not reserve in time") from None
-
     async def prefill_to(self, prefill: str, ids: list[int], params: SamplingParams,
                          res: Reservation) -> tuple[StreamItem, ReceiptRef]:
-        # The receipt stays a reference: for ray_object the decode worker reads the packed KV from the
-        # object store directly, never through this replica.
-        first_ref, receipt_ref = self.workers[prefill].prefill_to.remote(ids, params, res.dest, res.decode)
+        # One call: the prefill worker reserves on res.decode itself, during its prefill. The receipt stays
+        # a reference: for ray_object the decode worker reads the packed KV from the object store
+        # directly, never through this replica.
+        first_ref, receipt_ref = self.workers[prefill].prefill_to.remote(ids, params, res)
         try:
             return await asyncio.wait_for(first_ref, self.timeout), receipt_ref
         except ray.exceptions.RayTaskError as e:
             raise _unwrap(e) from None
         except asyncio.TimeoutError:
-            raise ServiceUnavailable(f"kv transfer to {res.decode} timed out") from None
+            raise ServiceUnavailable(f"prefill on {prefill} with kv transfer to {res.decode} timed out") from None
 
     async def decode_leased(self, decode: str, ids: list[int], lease_id: str, receipt: ReceiptRef,
                             params: SamplingParams) -> AsyncIterator[StreamItem]:
@@ -497,8 +490,11 @@ ROUTE_CHANNEL_RETRY_S = 1.0
 
 def _unwrap(e: Exception) -> Exception:
     """Ray wraps a worker's ValueError/MemoryError; give the HTTP layer the original kind. A failed KV
-    transfer is a 503 with its reason."""
+    transfer is a 503 with its reason; a peer the worker could not reach (the decode worker a prefill
+    worker reserves on) failed as if this replica had called it: retried away from it."""
     cause = getattr(e, "cause", None)
+    if isinstance(cause, PeerFailed):
+        return WorkerFailed(str(cause), (cause.worker,))
     if isinstance(cause, TransferError):
         return ServiceUnavailable(f"kv transfer failed: {cause}")
     return cause if isinstance(cause, (ValueError, MemoryError)) else RuntimeError(str(e).splitlines()[0])

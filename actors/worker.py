@@ -22,6 +22,7 @@ import ray
 from ray.actor import ActorHandle
 
 from actors.ep_host import EPHost
+from actors.handoff import PeerFailed, Reservation, prefill_reserving
 from actors.token_channel import ChannelServer
 from engine import Engine, EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine, StreamItem
@@ -281,16 +282,23 @@ class WorkerActor:
                 return None
         return handle
 
-    async def reserve(self, prompt_len: int, sender: str = "", sender_handle=None) -> Destination:
+    async def reserve(self, prompt_len: int, sender: str = "", sender_handle=None,
+                      lease_id: str | None = None) -> Destination:
         """Decode side: lease the pages a prompt of ``prompt_len`` tokens will occupy; where to send.
         ``sender``: the prefill worker's id, asked before quarantined pages are freed (by its name, or
-        through ``sender_handle`` when it is not a named cluster worker)."""
+        through ``sender_handle`` when it is not a named cluster worker). ``lease_id``: the id the
+        requester chose (``Reservation.new``; one of this worker's, never reused; a cancel may have come
+        first, and then the reserve is refused), else a new one."""
         if not isinstance(sender, str):
             raise TypeError(f"reserve: sender is the prefill worker's id (its handle goes in sender_handle), "
                             f"got {type(sender).__name__}")
+        if lease_id is None:
+            lease_id = Reservation.new(self.worker_id, prompt_len).lease_id
+        elif not (isinstance(lease_id, str) and lease_id.startswith(f"{self.worker_id}/") and len(lease_id) <= 128):
+            raise ValueError(f"reserve: lease_id must be a str of at most 128 characters that starts with "
+                             f"{self.worker_id + '/'!r}, got {lease_id!r}")
         if sender_handle is not None:
             self.peers[sender] = sender_handle
-        lease_id = f"{self.worker_id}/{uuid.uuid4().hex[:12]}"
         now, ttl, one_sided = time.monotonic(), self.tcfg.lease_seconds, self.transfer.one_sided
         # Admitted like a request (a flush's hold makes it wait): a lease is the start of one.
         pages = await self.core.call_admitted(
@@ -306,41 +314,91 @@ class WorkerActor:
         return self.sends.pending(lease_id, self.transfer.in_flight() if self.transfer is not None else set())
 
     async def cancel(self, lease_id: str) -> bool:
-        """Decode side: free a lease's pages now (the prefill side failed or the client left)."""
+        """Decode side: free a lease's pages now (the prefill side failed or the client left). A cancel
+        can overtake the prefill worker's reserve of the lease: that reserve is then refused (for as long
+        as a lease lasts), so nobody leases pages only to wait for their expiry."""
         self.transfer.forget(lease_id)
-        return await self.core.call(lambda e: e.receiver.cancel(lease_id))
+        now, ttl = time.monotonic(), self.tcfg.lease_seconds
+        return await self.core.call(lambda e: e.receiver.cancel(lease_id, now, ttl))
 
     @ray.method(num_returns=2)
-    async def prefill_to(self, ids: list[int], params: SamplingParams, dest: Destination,
+    async def prefill_to(self, ids: list[int], params: SamplingParams, dest: Destination | Reservation,
                          notify: ActorHandle | str | None = None) -> tuple[StreamItem, Receipt | None]:
-        """Prefill, then send the prompt's KV into ``dest`` (a decode worker's leased pages); returns
+        """Prefill, then send the prompt's KV into a decode worker's leased pages: ``dest`` names them
+        (leased already), or is the ``Reservation`` this worker makes itself on its decode worker while it
+        computes the prompt (the ingress's way: no reserve round trip before the prefill). Returns
         (StreamItem of the first token, receipt; None when nothing was sent: the first token ended it).
         Two returns, two objects: for ray_object the receipt carries the packed payload, which Ray puts in
         the object store as this task's second return (the backend's ray.put half), and the decode worker
-        reads it from there. ``notify``: the decode worker, told when the send is over so quarantined
-        pages can go back."""
-        if isinstance(notify, str):     # the decode worker by name: its handle is looked up once
-            if notify not in self.peers:
-                await asyncio.to_thread(self._peer, notify)
+        reads it from there. ``notify``: the decode worker (its handle, or its id to look up by name; a
+        reservation's by default), told when the send is over so quarantined pages can go back. A decode
+        worker that cannot be reached raises PeerFailed naming it; one that cannot lease raises its
+        MemoryError / ValueError / TransferError."""
+        reserving = isinstance(dest, Reservation)
+        decode = dest.decode if reserving else dest.worker_id
+        if isinstance(notify, str) or (notify is None and reserving):
+            if decode not in self.peers:   # by name: its handle is looked up once
+                await asyncio.to_thread(self._peer, decode)
         elif notify is not None:
-            self.peers[dest.worker_id] = notify
-        self.sends.begin(dest.lease_id, dest.worker_id if notify is not None else "")
+            self.peers[decode] = notify
+        handle = self.peers.get(decode)
+        if reserving and handle is None:
+            raise PeerFailed(f"decode worker {decode} not found", decode)
+        self.sends.begin(dest.lease_id, decode if notify is not None or reserving else "")
+        # The prompt first (its task runs first: the engine thread starts on it), then the reserve's call,
+        # never cancelled: whether it leased pages is known (and the end of the send told, below) only
+        # once it has answered.
+        prefilling = asyncio.ensure_future(self.core.prefill(ids, params))
+        leased = asyncio.ensure_future(self._reserve_on(handle, dest)) if reserving else None
         in_flight = False
         try:
-            return await self._prefill_send(ids, params, dest)
+            return await self._prefill_send(prefilling, dest, leased)
         except TransferError as e:
             in_flight = e.in_flight       # its end is reported by the backend (_send_ended)
             raise
         finally:
             if not in_flight:
-                decode = self.sends.end(dest.lease_id)
+                told = self.sends.end(dest.lease_id)
                 if self.transfer.one_sided:
-                    self._tell_ended(decode, dest.lease_id)
+                    self._tell_ended_once_leased(told, dest.lease_id, leased)
 
-    async def _prefill_send(self, ids: list[int], params: SamplingParams,
-                            dest: Destination) -> tuple[StreamItem, Receipt | None]:
+    async def _reserve_on(self, handle: ActorHandle, res: Reservation) -> Destination:
+        """``res`` leased on its decode worker (``handle``); its refusals as the ingress knows them."""
+        try:
+            return await handle.reserve.remote(res.prompt_len, self.worker_id, lease_id=res.lease_id)
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause
+            if isinstance(cause, (ValueError, MemoryError, TransferError)):
+                raise cause from None
+            raise RuntimeError(f"decode worker {res.decode}: reserve failed: {str(e).splitlines()[0]}") from None
+        except ray.exceptions.RayActorError as e:
+            if isinstance(e, ray.exceptions.ActorDiedError) and self.peers.get(res.decode) is handle:
+                del self.peers[res.decode]   # for good: a worker of that id started later is another actor
+            raise PeerFailed(f"decode worker {res.decode}: {str(e).splitlines()[0][:300]}", res.decode) from None
+
+    def _tell_ended_once_leased(self, decode: str | None, lease_id: str, leased: asyncio.Future | None) -> None:
+        """Tell ``decode`` the send into ``lease_id`` is over, after its reserve answered (told before, the
+        lease made later would wait in quarantine for a probe); not at all when no lease was made."""
+        if leased is None:
+            self._tell_ended(decode, lease_id)
+            return
+
+        def tell(f: asyncio.Future) -> None:
+            if not f.cancelled() and f.exception() is None:
+                self._tell_ended(decode, lease_id)
+        if leased.done():
+            tell(leased)
+        else:
+            leased.add_done_callback(tell)
+
+    async def _prefill_send(self, prefilling: asyncio.Future, dest: Destination | Reservation,
+                            leased: asyncio.Future | None) -> tuple[StreamItem, Receipt | None]:
         t0 = time.monotonic()
-        first, payload = await self.core.prefill(ids, params)
+        if leased is None:
+            first, payload = await prefilling
+        else:   # a reserve slower than the send's whole time leaves none to send
+            (first, payload), dest = await prefill_reserving(prefilling, leased, self.tcfg.transfer_timeout,
+                                                             f"decode worker {dest.decode}")
         if payload is None or first.finish_reason != "prefill":   # done at its first token: nothing to send
             return first, None
         if self.tcfg.debug_send_delay:

@@ -43,8 +43,8 @@ What #37 changed, and what is left (after; README "Serving overhead" has both ta
   Short requests: ~12.7 ms of CPU each (workers 7.4 with the engine's ~2.5, ingress 2.1, the load
   generator 1.1, router 0.7), so ~130 req/s on 2 cores.
 - Left, 1P+1D: the workers' ~17-19 ms of CPU per short request (two engines, reserve + prefill_to + the
-  ray_object KV payload, write-through to L2 and the file L3), and the reserve round trip before the
-  prefill (which a prefill worker could make itself, overlapped with its compute).
+  ray_object KV payload, write-through to L2 and the file L3). The reserve round trip is no longer before
+  the prefill: the prefill worker makes it itself, overlapped with its compute (actors/handoff.py).
 - A slow reader (4 KB socket buffer, 3 s late, ~1 MB of SSE) does not hold others back: its output is
   buffered per client and the others' latency matches the prompt-reader case.
 """

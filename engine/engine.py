@@ -179,8 +179,9 @@ class Engine:
                    sender: str = "") -> LeasedPages:
         """Reserve the pages a transferred prompt of ``prompt_len`` tokens will occupy (full: every page;
         SWA: the last window), under a lease that ``now + ttl`` ends (engine/pd.py). MemoryError when
-        the batch is full or the pages cannot be had (nothing is held then). ``one_sided``: the sender
-        writes in place (a lease ending before its send is quarantined); ``sender``: its worker id."""
+        the batch is full or the pages cannot be had (nothing is held then); TransferError when the id was
+        cancelled before it came. ``one_sided``: the sender writes in place (a lease ending before its send
+        is quarantined); ``sender``: its worker id."""
         if not isinstance(prompt_len, int) or not 0 < prompt_len < self.max_context:
             raise ValueError(f"prompt_len: must be in [1, {self.max_context}), got {prompt_len!r}")
         if len(self.scheduler.running) + self.receiver.live >= self.cfg.max_running_requests:

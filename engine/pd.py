@@ -11,11 +11,17 @@ one-sided send that ends before the send did is quarantined until ``send_ended``
 sender is dead or says nothing can write any more); ``tick`` expires leases and names the quarantined ones
 whose sender should be asked now. Plain (no Ray, time passed in): the worker shell does the asking.
 
+The lease id is the caller's (the ingress names it before any page is leased, and the prefill worker
+reserves while it computes), so a cancel can overtake its own reserve: a cancel of an id not held yet
+refuses that id's reserve until the lease's time would have run out (``cancel`` with ``now``), rather
+than letting it lease pages nobody will send to or commit.
+
 This object knows leases and pages; the Request itself (prompt checks, sampling params) is the Engine's,
 which keeps the thin verbs (``reserve_kv``, ``add_leased``) and puts the admitted request in its batch.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import NamedTuple
 
 from engine.disagg import admit_leased
@@ -26,6 +32,7 @@ from storage.pools import FULL, SWA
 from storage.transfer.base import LeasedPages, LeaseInfo, LeaseStats, LeaseTable, Receipt, TransferBackend, TransferError
 
 PROBE_EVERY_S = 1.0      # a quarantined lease's sender is asked at most this often
+MAX_REFUSED = 4096       # at most so many ids cancelled before their reserve are kept (the oldest go first)
 
 
 class LeaseSweep(NamedTuple):
@@ -42,6 +49,9 @@ class KVReceiver:
         # Pages reserved for KV transfers still in flight, taken from the same allocators as requests'.
         self.leases = LeaseTable({FULL: kv.pools.full.allocator, SWA: kv.pools.swa.allocator}, "kv leases")
         self._probed: dict[str, float] = {}     # quarantined lease -> when its sender was last asked
+        # Ids cancelled before their reserve came -> until when a reserve of them is refused (in that order:
+        # every id gets the same ttl but for a run-time change of it, so the oldest expire first).
+        self._refused: OrderedDict[str, float] = OrderedDict()
 
     @property
     def live(self) -> int:
@@ -52,9 +62,13 @@ class KVReceiver:
                 sender: str = "") -> LeasedPages:
         """Lease the pages a transferred prompt of ``prompt_len`` tokens will occupy until ``now + ttl``.
         MemoryError when they cannot be had even after evicting cached pages (nothing is held then);
-        ValueError on a reused id or a bad ttl. ``sender``: the prefill worker's id ("" unknown)."""
+        ValueError on a reused id or a bad ttl; TransferError when the id was cancelled before (its
+        requester gave up). ``sender``: the prefill worker's id ("" unknown)."""
         if not isinstance(prompt_len, int) or prompt_len < 1:
             raise ValueError(f"prompt_len: must be a positive int, got {prompt_len!r}")
+        self._forget_refused(now)
+        if lease_id in self._refused:
+            raise TransferError(f"lease {lease_id!r}: cancelled before it was reserved (its request is over)")
         n_full, first, n_swa = self.kv.geom.plan_pages(prompt_len)
         need = {FULL: n_full, SWA: n_swa}
         for comp, n in need.items():
@@ -94,10 +108,26 @@ class KVReceiver:
                 self.kv.give_back(pages.as_dict())
             raise
 
-    def cancel(self, lease_id: str) -> bool:
+    def cancel(self, lease_id: str, now: float | None = None, ttl: float = 0.0) -> bool:
         """Free a lease's pages now (quarantined instead while a one-sided send may still write); False
-        when there is no such live lease."""
-        return self.leases.cancel(lease_id)
+        when there is no such live lease. With ``now``: an id not held (its reserve may still be on the
+        way) is refused by ``reserve`` until ``now + ttl``."""
+        if self.leases.cancel(lease_id):
+            return True
+        if now is not None and lease_id not in self.leases.quarantine:
+            self._forget_refused(now)
+            self._refused[lease_id] = now + ttl
+            self._refused.move_to_end(lease_id)
+            while len(self._refused) > MAX_REFUSED:
+                self._refused.popitem(last=False)
+        return False
+
+    def _forget_refused(self, now: float) -> None:
+        while self._refused:
+            lease_id, until = next(iter(self._refused.items()))
+            if now < until:
+                return
+            del self._refused[lease_id]
 
     def send_ended(self, lease_id: str) -> bool:
         """The sender's send into ``lease_id`` is over: a quarantined lease is freed now (True), a live one
@@ -114,6 +144,7 @@ class KVReceiver:
         """Expire the leases whose deadline passed, and name each quarantined lease whose sender has not
         been asked for ``PROBE_EVERY_S`` (asked now: the caller does, then ``release``s on a no)."""
         expired = [lease.lease_id for lease in self.leases.expire(now)]
+        self._forget_refused(now)
         quarantine = self.leases.quarantine
         for lease_id in [k for k in self._probed if k not in quarantine]:
             del self._probed[lease_id]
@@ -140,3 +171,8 @@ class KVReceiver:
         for lease_id in self._probed:
             if lease_id not in self.leases.quarantine:
                 raise AssertionError(f"kv leases: probe time kept for {lease_id}, which is not quarantined")
+        if len(self._refused) > MAX_REFUSED:
+            raise AssertionError(f"kv leases: {len(self._refused)} refused ids kept, more than {MAX_REFUSED}")
+        for lease_id in self._refused:
+            if lease_id in self.leases.leases:
+                raise AssertionError(f"kv leases: {lease_id} is refused and leased at once")

@@ -1,6 +1,8 @@
 """Prefill->decode KV transfer between two real worker actors on a local Ray cluster, for every backend
 (ray_object, real NIXL agents over UCX, real Mooncake transfer engines over tcp on 127.0.0.1): greedy
-tokens equal Engine.generate, and failures (a stalled send, a dead decode worker) free every page."""
+tokens equal Engine.generate (the prefill worker reserving on the decode worker during its prefill, as
+for the ingress), and failures (a stalled send, a dead decode worker, a reserve its cancel overtook)
+free every page."""
 from __future__ import annotations
 
 import time
@@ -52,11 +54,14 @@ def _pair(model_path, tcfg: TransferConfig):
 
 
 def _serve(pre, dec, ids, sp=SP) -> list[int]:
-    dest = ray.get(dec.reserve.remote(len(ids)), timeout=60)
-    first_ref, sent_ref = pre.prefill_to.remote(ids, sp, dest)
+    """As the ingress serves: one call to the prefill worker, which reserves the lease named here on the
+    decode worker (by its handle: these actors have no names) while it computes the prompt."""
+    from actors.handoff import Reservation
+    res = Reservation.new("d0", len(ids))
+    first_ref, sent_ref = pre.prefill_to.remote(ids, sp, res, dec)
     first = ray.get(first_ref, timeout=120)
     toks = list(first.token_ids)
-    for ref in dec.decode_leased.remote(ids, dest.lease_id, sent_ref, sp):
+    for ref in dec.decode_leased.remote(ids, res.lease_id, sent_ref, sp):
         toks += ray.get(ref, timeout=120).token_ids
     return toks
 
@@ -194,3 +199,45 @@ def test_killing_the_decode_worker_mid_transfer_frees_the_prefill_side(pairs, ba
     ts = ray.get(pre.transfer_stats.remote()).sends
     assert ts.staging_pages_used == 0 and ts.failed + ts.timeouts - b0.failed - b0.timeouts == 1
     assert _used(ray.get(pre.stats.remote())) == 0
+
+
+def test_a_prefill_workers_reserve_refused_or_unanswered_reaches_its_caller_and_sends_nothing(ray_session, model_path):
+    """The ingress's cancel overtook the prefill worker's reserve: refused (nothing leased, nothing sent);
+    done at the first token: nothing sent, the lease cancelled; a dead decode worker: PeerFailed naming
+    it (the ingress's WorkerFailed, so a retry avoids it); the prefill side holds no page after any."""
+    from actors.handoff import PeerFailed, Reservation
+    from storage.transfer import TransferError
+    pre, dec = _pair(model_path, TransferConfig(backend="ray_object", lease_seconds=60.0, transfer_timeout=30.0))
+    try:
+        ids = PROMPTS[1]
+        res = Reservation.new("d0", len(ids))
+        assert not ray.get(dec.cancel.remote(res.lease_id), timeout=60)
+        first_ref, sent_ref = pre.prefill_to.remote(ids, SP, res, dec)
+        with pytest.raises(ray.exceptions.RayTaskError, match="cancelled before it was reserved") as ei:
+            ray.get(first_ref, timeout=120)
+        assert isinstance(ei.value.cause, TransferError)
+        st = ray.get(dec.transfer_stats.remote()).leases
+        assert st.live == 0 and st.reserved == 0
+
+        res = Reservation.new("d0", len(ids))
+        first_ref, sent_ref = pre.prefill_to.remote(ids, SamplingParams(max_new_tokens=1), res, dec)
+        first = ray.get(first_ref, timeout=120)
+        assert first.finished and first.finish_reason == "length" and ray.get(sent_ref, timeout=60) is None
+        ray.get(dec.cancel.remote(res.lease_id), timeout=60)     # as the ingress does
+        deadline = time.monotonic() + 30
+        while ray.get(dec.transfer_stats.remote()).leases.live:  # a reserve behind the cancel is refused
+            assert time.monotonic() < deadline, "the lease of an answer done at its first token stayed"
+            time.sleep(0.05)
+
+        with pytest.raises(ray.exceptions.RayTaskError, match="lease_id must be"):
+            ray.get(dec.reserve.remote(len(ids), "p0", None, "elsewhere/1"), timeout=60)
+
+        ray.kill(dec)
+        first_ref, _ = pre.prefill_to.remote(ids, SP, Reservation.new("d0", len(ids)), dec)
+        with pytest.raises(ray.exceptions.RayTaskError) as ei:
+            ray.get(first_ref, timeout=120)
+        assert isinstance(ei.value.cause, PeerFailed) and ei.value.cause.worker == "d0"
+        assert _used(ray.get(pre.stats.remote())) == 0
+    finally:
+        for w in (pre, dec):
+            ray.kill(w)

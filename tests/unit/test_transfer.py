@@ -197,6 +197,44 @@ def test_tick_expires_and_names_quarantined_senders_at_most_once_a_second():
     assert dec.pools.all_free() and r.stats().in_quarantine == 0
 
 
+def test_a_cancel_that_overtakes_its_reserve_refuses_it_for_as_long_as_a_lease_lasts():
+    """The ingress names the lease and cancels it by name; the prefill worker reserves it meanwhile, so
+    the cancel can come first. The reserve that follows is refused: no pages are leased only to wait
+    for their expiry. Remembered for a lease's ttl, and at most MAX_REFUSED ids."""
+    from engine.pd import MAX_REFUSED
+    dec = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=64)
+    r = dec.receiver
+    assert not r.cancel("d/a", 0.0, 5.0)                 # nothing held under that id yet
+    with pytest.raises(TransferError, match="cancelled before it was reserved"):
+        dec.reserve_kv("d/a", 40, 0.5, 5.0, one_sided=True, sender="p0")
+    assert r.live == 0 and r.stats().reserved == 0 and dec.pools.all_free()
+    dec.check_integrity()
+    dec.reserve_kv("d/b", 40, 0.5, 5.0)                  # other ids lease as ever
+    assert r.cancel("d/b", 0.6, 5.0) and dec.pools.all_free()   # held: freed, nothing to remember
+    dec.reserve_kv("d/b", 40, 0.7, 5.0)
+    assert r.cancel("d/b")
+    assert not r.cancel("d/c")                           # the engine's own cancels (no time) remember nothing
+    dec.reserve_kv("d/c", 40, 1.0, 5.0)
+    r.cancel("d/c")
+    with pytest.raises(TransferError):
+        dec.reserve_kv("d/a", 40, 4.9, 5.0)
+    r.tick(5.0)                                          # a lease named then would have expired by now
+    dec.reserve_kv("d/a", 40, 5.0, 5.0)
+    r.cancel("d/a")
+    dec.reserve_kv("d/q", 40, 5.0, 1.0, one_sided=True, sender="p0")
+    r.cancel("d/q")                                      # quarantined: known, not refused
+    assert not r.cancel("d/q", 5.0, 5.0) and "d/q" not in r._refused and r.release("d/q")
+    for i in range(MAX_REFUSED + 10):
+        r.cancel(f"d/x{i}", 6.0, 100.0)
+    dec.check_integrity()
+    dec.reserve_kv("d/x0", 40, 7.0, 5.0)                 # the oldest went first
+    r.cancel("d/x0")
+    with pytest.raises(TransferError):
+        dec.reserve_kv(f"d/x{MAX_REFUSED + 9}", 40, 7.0, 5.0)
+    dec.check_integrity()
+    assert dec.pools.all_free() and r.live == 0 and r.stats().in_quarantine == 0
+
+
 def test_reserve_refuses_what_the_pools_cannot_hold():
     dec = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=16)
     dec.reserve_kv("a", 200, 0.0, 1.0)
