@@ -36,15 +36,25 @@ What #37 changed, and what is left (after; README "Serving overhead" has both ta
   sent by the engine thread itself; one Ray call per request (submit), for failure and cancellation. The
   worker's path for 64 tokens 0.148 s (streamed) -> 0.109 s (engine 0.098); per token ~0.16 ms over the
   engine.
-- Left, colocated (TTFT 7.5 ms against the engine's 2.0): route (one actor round trip, ~1 ms; a read
-  replica of the index in the ingress would save that round trip but needs its own event consumption and
-  a barrier for exact predictions: not taken), the submit call (~1 ms), ~2 ms in the worker's process
-  around a one-token step (the actor's event loop and the engine thread share the GIL), ~1 ms HTTP.
-  Short requests: ~12.7 ms of CPU each (workers 7.4 with the engine's ~2.5, ingress 2.1, the load
-  generator 1.1, router 0.7), so ~130 req/s on 2 cores.
-- Left, 1P+1D: the workers' ~17-19 ms of CPU per short request (two engines, reserve + prefill_to + the
-  ray_object KV payload, write-through to L2 and the file L3). The reserve round trip is no longer before
-  the prefill: the prefill worker makes it itself, overlapped with its compute (actors/handoff.py).
+- The route over ZMQ (actors/route_channel.py): the router actor answers route on its own socket (~0.12
+  ms a round trip against ~1 ms for its Ray call, which stays the fallback); the router's CPU per request
+  ~1.3 -> ~0.5 ms.
+- A request served by one worker goes to it over its token channel (ChannelClient.submit: PUSH -> the
+  worker's PULL -> the engine thread), no Ray call: a dead worker is seen by the channel's connection
+  dropping (or its heartbeats stopping). The decode half of P/D stays a Ray call (its receipt is a Ray
+  object).
+- P/D: the prefill worker has the decode worker reserve the pages during its own prefill (the ingress names
+  the lease: actors/handoff.py), one round trip off the TTFT path.
+- A trace of one colocated request (1 new token, cached 512-token prompt) before these three: client ->
+  HTTP in 1.3 ms (httpx, HAProxy, uvicorn), FastAPI + parsing 0.5, route 1.8 (of which the router's own
+  work ~0.05), submit 1.2 (0.33 in the caller), engine step, channel back 0.3, HTTP out ~1.4.
+- Left, colocated (TTFT ~7 ms against the engine's ~2): HTTP in and out through HAProxy (~2.5 ms with the
+  load generator's own client), the engine step inside a worker process that shares its 2 cores and the
+  GIL with its copier (L2/L3 write-through: ~18% of the worker's CPU) and report threads. Short requests:
+  ~10-13 ms of CPU each (workers 6-9 with the engine's ~2.5, ingress 1.6, the load generator 1.1), so
+  ~125-160 req/s on 2 cores.
+- Left, 1P+1D: the workers' ~17-21 ms of CPU per short request (two engines, prefill_to + the ray_object KV
+  payload, write-through to L2 and the file L3).
 - A slow reader (4 KB socket buffer, 3 s late, ~1 MB of SSE) does not hold others back: its output is
   buffered per client and the others' latency matches the prompt-reader case.
 """
