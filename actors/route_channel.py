@@ -31,6 +31,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from actors.prefix_router import Route
 from actors.routing import NoWorkerError
+from actors.zmq_sockets import bind_random, close_monitored
 
 log = logging.getLogger("strata.route_channel")
 
@@ -117,15 +118,11 @@ class RouteServer:
     def __init__(self, host: str, route: Callable[[list[int], int, list[str] | None], Route]) -> None:
         self._route = route
         self._ctx = zmq.Context(1)
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        for opt, v in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
-            self._sock.setsockopt(opt, v)
         try:
-            port = self._sock.bind_to_random_port(f"tcp://{host}")
+            self._sock, self.endpoint = bind_random(self._ctx, zmq.ROUTER, host)
         except BaseException:
-            self._ctx.destroy(linger=0)
+            self._ctx.term()
             raise
-        self.endpoint = f"tcp://{host}:{port}"
         self._closed = threading.Event()
         self.answered = 0   # requests answered (tests, profiling)
         self._thread = threading.Thread(target=self._serve, name="strata-route-channel", daemon=True)
@@ -254,12 +251,7 @@ class RouteClient:
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(ChannelDown(f"route channel {self.endpoint}: closed"))
-        try:
-            self._sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        self._monitor.close(linger=0)
-        self._sock.close(linger=0)
+        close_monitored(self._sock, self._monitor)
 
 
 __all__ = ["ChannelDown", "RouteClient", "RouteServer", "RouterError", "answer", "decode_reply", "encode_request"]

@@ -47,6 +47,7 @@ import zmq
 import zmq.asyncio
 import zmq.utils.monitor
 
+from actors.zmq_sockets import bind_random, close_monitored
 from engine.async_engine import StreamItem
 from engine.sampling import TokenLogprob
 
@@ -130,15 +131,11 @@ class ChannelServer:
     def __init__(self, host: str, on_request: Callable[[Route, Any, Any], None] | None = None,
                  on_abort: Callable[[Route], None] | None = None) -> None:
         self._ctx = zmq.Context(1)
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        for opt, v in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.ROUTER_HANDOVER, 1)):
-            self._sock.setsockopt(opt, v)
         try:
-            port = self._sock.bind_to_random_port(f"tcp://{host}")
+            self._sock, self.endpoint = bind_random(self._ctx, zmq.ROUTER, host, ((zmq.ROUTER_HANDOVER, 1),))
         except BaseException:
-            self._ctx.destroy(linger=0)
+            self._ctx.term()
             raise
-        self.endpoint = f"tcp://{host}:{port}"
         self._lock = threading.Lock()
         self._peers: set[bytes] = set()
         self._closed = threading.Event()
@@ -151,10 +148,7 @@ class ChannelServer:
         self.requests_endpoint: str | None = None
         self.received_requests = 0
         if on_request is not None:
-            self._pull = self._ctx.socket(zmq.PULL)
-            for opt, v in ((zmq.LINGER, 0), (zmq.RCVHWM, 0)):
-                self._pull.setsockopt(opt, v)
-            self.requests_endpoint = f"tcp://{host}:{self._pull.bind_to_random_port(f'tcp://{host}')}"
+            self._pull, self.requests_endpoint = bind_random(self._ctx, zmq.PULL, host)
             self._req_thread = threading.Thread(target=self._serve_requests, name="strata-token-requests",
                                                 daemon=True)
             self._req_thread.start()
@@ -366,12 +360,7 @@ class ChannelClient:
             self._watcher.cancel()
         except RuntimeError:   # its loop is closed already: so are the reader and the watcher
             pass
-        try:
-            self._sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        self._monitor.close(linger=0)
-        self._sock.close(linger=0)
+        close_monitored(self._sock, self._monitor)
         if self._push is not None:
             self._push.close(linger=0)
 
