@@ -102,7 +102,7 @@ class HostTier:
             self.free(c, unused)
 
         fut = LayerFuture({})
-        self.copier.submit(Job(run, fut, done, tag=f"backup {c}"))
+        self.copier.submit(Job(run, fut, done, tag=f"backup {c}", memory=True))
         return True
 
     # ---- room --------------------------------------------------------------------------------------

@@ -116,7 +116,7 @@ class LoadBack:
 
         for i in loaded:
             self.loading[i] = fut
-        self.copier.submit(Job(run, fut, done, tag="load"))
+        self.copier.submit(Job(run, fut, done, tag="load", memory=True))
         hit.waits.append(fut)
         return True
 

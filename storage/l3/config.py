@@ -136,7 +136,7 @@ class L3Config:
     path: str = ""
     capacity_bytes: int = 16 * GiB
     max_page_bytes: int = 256 * MiB   # a bigger "page" is a caller bug, not a KV page
-    io_threads: int = 0               # parallel file reads/writes of a batch; 0 -> min(4, CPUs)
+    io_threads: int = 0               # parallel file reads/writes of a batch of >= 1 MiB (file.py); 0 -> min(4, CPUs)
     fsync: bool = False               # a cache: a page lost to a crash is a miss, the checksum catches torn ones
     rescan_interval_s: float = 10.0   # how stale a file store's view of other processes' writes may get
     evict: bool = True                # False: another process (the StorageActor) evicts; a set past the cap fails

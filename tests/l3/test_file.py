@@ -142,3 +142,26 @@ def test_processes_never_read_a_torn_page(tmp_path, keys):
         p.join(timeout=30)
         assert p.exitcode == 0
     assert hits > 0 and torn == 0 and corrupt == 0
+
+
+def test_a_page_already_stored_is_not_written_again(dir_backend, tmp_path, keys):
+    """P/D's two workers insert the same prompt: the second set of a key finds the object (same key, same
+    bytes) and only bumps its access time; an object of the wrong size is written again."""
+    s = _open(dir_backend, tmp_path)
+    ks, pages = keys(2), random_pages(2, numel=NUMEL)
+    assert s.batch_set(ks, pages) == [True, True]
+    paths = sorted(p for p in (tmp_path / "v1").rglob("*") if p.is_file())
+    assert len(paths) == 2
+    before = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in paths}
+    time.sleep(TICK)
+    written = s.stats()["bytes_written"]
+    assert s.batch_set(ks, pages) == [True, True]
+    after = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in paths}
+    assert all(after[p][0] == before[p][0] and after[p][1] > before[p][1] for p in paths)   # same file, newer
+    assert s.stats()["bytes_written"] - written == 2 * 2 * NUMEL     # counted as stored
+    os.truncate(paths[0], FILE // 2)                                 # torn: the next set rewrites it
+    assert s.batch_set(ks, pages) == [True, True]
+    assert all(p.stat().st_size == FILE for p in paths)
+    out = [torch.empty_like(p) for p in pages]
+    assert s.batch_get(ks, out) == [True, True] and all(torch.equal(o, p) for o, p in zip(out, pages))
+    s.close()
