@@ -48,11 +48,21 @@ What #37 changed, and what is left (after; README "Serving overhead" has both ta
 - A trace of one colocated request (1 new token, cached 512-token prompt) before these three: client ->
   HTTP in 1.3 ms (httpx, HAProxy, uvicorn), FastAPI + parsing 0.5, route 1.8 (of which the router's own
   work ~0.05), submit 1.2 (0.33 in the caller), engine step, channel back 0.3, HTTP out ~1.4.
-- Left, colocated (TTFT ~7 ms against the engine's ~2): HTTP in and out through HAProxy (~2.5 ms with the
-  load generator's own client), the engine step inside a worker process that shares its 2 cores and the
-  GIL with its copier (L2/L3 write-through: ~18% of the worker's CPU) and report threads. Short requests:
-  ~10-13 ms of CPU each (workers 6-9 with the engine's ~2.5, ingress 1.6, the load generator 1.1), so
-  ~125-160 req/s on 2 cores.
+- The write-through (session 18): per-thread CPU from /proc showed the worker's copier thread at ~3 ms per
+  short request for copies that cost ~0.6 ms alone: on a CPU a second thread only passes the GIL back and
+  forth with the forward. L1 <-> L2 copies now run in place on a CPU (storage/copier.py), the file L3's
+  I/O threads serve only batches of >= 1 MiB, and an L3 page already stored is not written again. Workers'
+  CPU per short request, colocated: 7.9 -> 5.4 ms.
+- This machine's disk: ext4 without a journal skips inodes deleted in the last 1-6 minutes when it
+  creates a file (perf: __ext4_new_inode -> find_inode_bit -> recently_deleted), so after thousands of
+  deletions an L3 page costs 0.2-0.8 ms of CPU to create instead of ~0.05. The servers' directories are
+  removed when the bench ends, not between configs; a file L3 that evicts (unlinks) pages under load pays
+  the same.
+- Left, colocated (TTFT ~5-6.5 ms against the engine's ~2): HTTP in and out through HAProxy (~2.5 ms with
+  the load generator's own client), and the engine step inside a worker that shares 2 cores with every
+  other process: its steps take ~7% more CPU than the engine's alone (1.40 against 1.32 ms for one decode
+  row, measured inside the worker), its first step of a cached prompt ~0.6 ms more. Short requests: ~9 ms
+  of CPU each (workers ~5.4 with the engine's ~2.5, ingress 1.5, the load generator 1.2), ~165-195 req/s.
 - Left, 1P+1D: the workers' ~17-21 ms of CPU per short request (two engines, prefill_to + the ray_object KV
   payload, write-through to L2 and the file L3).
 - A slow reader (4 KB socket buffer, 3 s late, ~1 MB of SSE) does not hold others back: its output is
