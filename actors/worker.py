@@ -57,9 +57,10 @@ class WorkerActor:
         # ep_size > 1: this process is rank 0 of the group, and the engine it serves is that rank's.
         self.ep = EPHost(engine_cfg, ep_size, ep_num_cpus, ep_num_gpus) if ep_size > 1 else None
         self.core = AsyncEngine(self.ep.engine if self.ep is not None else Engine(engine_cfg), worker_id)
-        # The ingress's requests (submit, submit_leased) stream their items over the token channel: one
-        # message per step and ingress replica (actors/token_channel.py), on this node's address as the
-        # KV events are.
+        # The token channel (actors/token_channel.py), on this node's address as the KV events are: the
+        # items of the ingress's requests go out on it, one message per step and ingress replica, and its
+        # requests to this worker alone come in on it (no Ray call: _channel_request); a P/D decode half
+        # comes as a Ray call (submit_leased, whose receipt is a Ray object).
         self.channel = ChannelServer(channel_host(kv_events), on_request=self._channel_request,
                                      on_abort=self.core.abort_routed)
         self.core.on_step = self.channel.send_step
@@ -466,7 +467,8 @@ class WorkerActor:
         self.core.submit_routed(ids, params, route, self.channel.send_error)
 
     async def submit(self, ids: list[int], params: SamplingParams, channel: bytes, key: int) -> None:
-        """Run one request; its items go to the ingress ``channel`` (which said hello to this worker's token
+        """A request as a Ray call (drivers and benches; the ingress sends over the channel itself), its
+        items over the channel. Runs one request; its items go to the ingress ``channel`` (which said hello to this worker's token
         channel, else StaleChannel) tagged ``key``, one message per step. Returns once the request is over
         (its last item is on the channel); cancelling this call aborts it."""
         route = self.channel.route(channel, key)
