@@ -49,10 +49,11 @@ What #37 changed, and what is left (after; README "Serving overhead" has both ta
   HTTP in 1.3 ms (httpx, HAProxy, uvicorn), FastAPI + parsing 0.5, route 1.8 (of which the router's own
   work ~0.05), submit 1.2 (0.33 in the caller), engine step, channel back 0.3, HTTP out ~1.4.
 - The write-through (session 18): per-thread CPU from /proc showed the worker's copier thread at ~3 ms per
-  short request for copies that cost ~0.6 ms alone: on a CPU a second thread only passes the GIL back and
-  forth with the forward. L1 <-> L2 copies now run in place on a CPU (storage/copier.py), the file L3's
-  I/O threads serve only batches of >= 1 MiB, and an L3 page already stored is not written again. Workers'
-  CPU per short request, colocated: 7.9 -> 5.4 ms.
+  short request. On a CPU a second thread's L1 <-> L2 copies only pass the GIL back and forth with the
+  forward (engine alone with the server's tiers: 4.7 -> 4.0 ms per short request with them in place), so
+  they now run in place on a CPU (storage/copier.py); the file L3's I/O threads serve only batches of
+  >= 1 MiB, and an L3 page already stored is not written again. The rest was the disk (next point).
+  Workers' CPU per short request, colocated, full runs: 7.9 -> 5.4 ms.
 - This machine's disk: ext4 without a journal skips inodes deleted in the last 1-6 minutes when it
   creates a file (perf: __ext4_new_inode -> find_inode_bit -> recently_deleted), so after thousands of
   deletions an L3 page costs 0.2-0.8 ms of CPU to create instead of ~0.05. The servers' directories are
