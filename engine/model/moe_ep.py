@@ -93,11 +93,13 @@ class AllToAllDispatch(Dispatch):
         picked[order] = back                                               # back to pair order
         w = weight[lo:lo + n].to(picked.dtype)
         mine = (picked.view(n, K, H) * w[..., None]).sum(1).to(x.dtype)    # combine in choice order
-        full = self._gather(mine, bounds)
+        # Counted before the last collective: once the leader's gather returns, every rank's count for
+        # this layer is in, so a reading taken right after the leader's step sees the whole step.
         c = self.counters
         c.pairs[self.layer] += y.shape[0]
         c.compute_s[self.layer] += c1 - c0
         c.cpu_s[self.layer] += p1 - p0
+        full = self._gather(mine, bounds)
         c.wall_s[self.layer] += time.perf_counter() - t0
         return full
 
@@ -143,8 +145,8 @@ class ShardGather(Dispatch):
         bounds = [len(c) for c in torch.arange(x.shape[0]).tensor_split(self.world)]
         lo, n = sum(bounds[:self.rank]), bounds[self.rank]
         mine = self.inner(x[lo:lo + n], slot[lo:lo + n], weight[lo:lo + n], experts)
+        self.counters.pairs[self.layer] += slot[lo:lo + n].numel()       # before the gather, as above
         full = AllToAllDispatch._gather(self, mine, bounds)
-        self.counters.pairs[self.layer] += slot[lo:lo + n].numel()
         self.counters.wall_s[self.layer] += time.perf_counter() - t0
         return full
 
