@@ -87,6 +87,7 @@ from pathlib import Path
 import yaml
 
 from bench.common import table, write_json
+from bench.overhead_client import HTTP_CLIENTS
 from tests.util import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -275,7 +276,7 @@ class Server:
     """``strata serve`` on a fresh local Ray cluster, and the load generator beside it."""
 
     def __init__(self, name: str, timeout: float = 300.0, calls_dir: str | None = None,
-                 switch_interval: float | None = None) -> None:
+                 switch_interval: float | None = None, http: str = "aiohttp") -> None:
         self.name = name
         self.home = tempfile.mkdtemp(prefix="sov")   # short: Ray's socket paths must fit 107 bytes
         cfg = yaml.safe_load((ROOT / "cluster" / "configs" / "default.yaml").read_text())
@@ -308,7 +309,8 @@ class Server:
             self.stop()
             raise
         self.start_s = time.monotonic() - t0
-        self.client = subprocess.Popen([sys.executable, "-m", "bench.overhead_client", "--url", self.url], cwd=ROOT,
+        self.client = subprocess.Popen([sys.executable, "-m", "bench.overhead_client", "--url", self.url, "--http", http],
+                                       cwd=ROOT,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.meter = CpuMeter(self.proc.pid, self.client.pid)
 
@@ -388,8 +390,8 @@ def _sum_cpu(parts: list[dict]) -> dict:
     return {k: statistics.fmean(p[k] for p in parts) for k in parts[0]}
 
 
-def http_rows(name: str, reps: dict) -> dict:
-    srv = Server(name)
+def http_rows(name: str, reps: dict, http: str = "aiohttp") -> dict:
+    srv = Server(name, http=http)
     try:
         return _http_rows(srv, reps)
     finally:
@@ -606,6 +608,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (all rows in a few minutes)")
     ap.add_argument("--configs", default="engine,colocated,1p1d,2p1d")
     ap.add_argument("--label", default=None, help="the JSON key of this run (default: quick or full)")
+    ap.add_argument("--http", choices=HTTP_CLIENTS, default="aiohttp",
+                    help="the load generator's HTTP client (bench/overhead_client.py); aiohttp as SGLang's and "
+                         "vLLM's bench clients")
     ap.add_argument("--profile", action="store_true", help="py-spy and Ray call counts, colocated short requests")
     ap.add_argument("--profile-seconds", type=float, default=20.0)
     ap.add_argument("--hops", action="store_true", help="round trips hop by hop (colocated), from a Ray driver")
@@ -643,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.configs.split(","):
         t = time.monotonic()
         try:
-            res[name] = engine_rows(reps) if name == "engine" else http_rows(name, reps)
+            res[name] = engine_rows(reps) if name == "engine" else http_rows(name, reps, args.http)
         except Exception as e:  # noqa: BLE001 - the other configs' rows still count
             print(f"[{name}: failed: {e!r}"[:2000] + "]", file=sys.stderr, flush=True)
             continue
@@ -654,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
     prior = {}
     if path.exists():
         prior = {k: v for k, v in json.loads(path.read_text()).items() if k != "machine"}
-    prior[label] = {"cpus": os.cpu_count(), "load_avg_after": os.getloadavg(), "reps": reps,
+    prior[label] = {"cpus": os.cpu_count(), "load_avg_after": os.getloadavg(), "reps": reps, "http_client": args.http,
                     "engine_settings": ENGINE, "results": res, "table": report(res).splitlines()}
     write_json("overhead", prior)
     print(f"wrote {path}")

@@ -3,7 +3,12 @@ server's. It reads one JSON command a line on stdin, runs it against ``--url`` a
 on stdout (``{"ok": ..., "cpu_s": ..., ...}``), so the caller can read every server process's CPU
 times right before and after each phase.
 
-    python -m bench.overhead_client --url http://127.0.0.1:8000
+    python -m bench.overhead_client --url http://127.0.0.1:8000 [--http aiohttp|httpx]
+
+``--http``: the HTTP client library. aiohttp by default: it is what SGLang's ``bench_serving`` and vLLM's
+``benchmark_serving`` send with. httpx costs ~1 ms more of the client's CPU and ~1 ms more latency per
+request on this machine. Both share the cores with the server, so a heavier client also makes the server's
+rows worse.
 
 Commands (``op``):
   ``models``   {"n"}: sequential GET /v1/models; latencies.
@@ -29,7 +34,10 @@ import sys
 import time
 from urllib.parse import urlsplit
 
+import aiohttp
 import httpx
+
+HTTP_CLIENTS = ("aiohttp", "httpx")
 
 
 def _cpu() -> float:
@@ -42,39 +50,87 @@ def _body(ids: list[int], max_new: int, stream: bool) -> dict:
             "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}}
 
 
+def _event(line: str) -> int | None:
+    """One line of a /generate stream -> the output ids it carries so far (None: not an event)."""
+    if not line.startswith("data:") or line.strip() == "data: [DONE]":
+        return None
+    ev = json.loads(line[5:])
+    if "error" in ev:
+        raise RuntimeError(ev["error"].get("message", str(ev["error"])))
+    return len(ev.get("output_ids") or ())
+
+
 class Client:
-    def __init__(self, url: str, conns: int = 96) -> None:
+    def __init__(self, url: str, conns: int = 96, http: str = "aiohttp") -> None:
+        if http not in HTTP_CLIENTS:
+            raise ValueError(f"http: one of {HTTP_CLIENTS}, got {http!r}")
         self.url = url.rstrip("/")
+        self.kind = http
+        self.conns = conns
+        self._session: aiohttp.ClientSession | None = None   # made on the running loop, at first use
         limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
         self.http = httpx.AsyncClient(timeout=300, limits=limits)
 
+    def _aio(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.conns),
+                                                  timeout=aiohttp.ClientTimeout(total=300))
+        return self._session
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+        if self._session is not None:
+            await self._session.close()
+
     async def one(self, ids: list[int], max_new: int) -> tuple[float, int]:
+        url, body = f"{self.url}/generate", _body(ids, max_new, False)
         t = time.perf_counter()
-        r = await self.http.post(f"{self.url}/generate", json=_body(ids, max_new, False))
+        if self.kind == "aiohttp":
+            async with self._aio().post(url, json=body) as r:
+                status, data = r.status, await r.read()
+        else:
+            r = await self.http.post(url, json=body)
+            status, data = r.status_code, r.content
         dt = time.perf_counter() - t
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
-        return dt, len(r.json()["output_ids"])
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {data[:200]!r}")
+        return dt, len(json.loads(data)["output_ids"])
+
+    async def get(self, path: str) -> None:
+        if self.kind == "aiohttp":
+            async with self._aio().get(f"{self.url}{path}") as r:
+                await r.read()
+                r.raise_for_status()
+        else:
+            (await self.http.get(f"{self.url}{path}")).raise_for_status()
 
     async def stream(self, ids: list[int], max_new: int, delay: float = 0.0) -> dict:
         """One streamed request: TTFT, latency, tokens. ``delay``: read nothing for that long first."""
+        url, body = f"{self.url}/generate", _body(ids, max_new, True)
         t = time.perf_counter()
         ttft, n = None, 0
-        async with self.http.stream("POST", f"{self.url}/generate", json=_body(ids, max_new, True)) as resp:
-            if resp.status_code != 200:
-                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
-            if delay:
-                await asyncio.sleep(delay)
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                    continue
-                ev = json.loads(line[5:])
-                if "error" in ev:
-                    raise RuntimeError(ev["error"].get("message", str(ev["error"])))
-                k = len(ev.get("output_ids") or ())
-                if k and ttft is None:
-                    ttft = time.perf_counter() - t
-                n = max(n, k)
+
+        def seen(k: int | None) -> None:
+            nonlocal ttft, n
+            if k and ttft is None:
+                ttft = time.perf_counter() - t
+            n = max(n, k or 0)
+        if self.kind == "aiohttp":
+            async with self._aio().post(url, json=body) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
+                if delay:
+                    await asyncio.sleep(delay)
+                async for line in resp.content:   # one line at a time, as SGLang's bench_serving reads
+                    seen(_event(line.decode().rstrip("\r\n")))
+        else:
+            async with self.http.stream("POST", url, json=body) as resp:
+                if resp.status_code != 200:
+                    raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+                if delay:
+                    await asyncio.sleep(delay)
+                async for line in resp.aiter_lines():
+                    seen(_event(line))
         return {"ttft": ttft, "latency": time.perf_counter() - t, "tokens": n}
 
     async def raw_stream(self, ids: list[int], max_new: int, delay: float, rcvbuf: int = 4096) -> dict:
@@ -121,9 +177,8 @@ class Client:
             lat = []
             for _ in range(cmd["n"]):
                 t = time.perf_counter()
-                r = await self.http.get(f"{self.url}/v1/models")
+                await self.get("/v1/models")
                 lat.append(time.perf_counter() - t)
-                r.raise_for_status()
             return {"latency": lat}
         if op == "requests":
             sem = asyncio.Semaphore(cmd.get("concurrency", 1))
@@ -154,8 +209,8 @@ class Client:
         raise ValueError(f"unknown op {op!r}")
 
 
-async def serve_stdin(url: str) -> None:
-    client = Client(url)
+async def serve_stdin(url: str, http: str = "aiohttp") -> None:
+    client = Client(url, http=http)
     loop = asyncio.get_running_loop()
     try:
         while True:
@@ -176,14 +231,15 @@ async def serve_stdin(url: str) -> None:
             sys.stdout.write(json.dumps(out) + "\n")
             sys.stdout.flush()
     finally:
-        await client.http.aclose()
+        await client.aclose()
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.overhead_client")
     ap.add_argument("--url", required=True)
+    ap.add_argument("--http", choices=HTTP_CLIENTS, default="aiohttp")
     args = ap.parse_args(argv)
-    asyncio.run(serve_stdin(args.url))
+    asyncio.run(serve_stdin(args.url, args.http))
     return 0
 
 

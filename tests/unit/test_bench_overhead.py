@@ -3,6 +3,8 @@ load generator's slow-reader stream parsing (against a tiny local server; no Ray
 import asyncio
 import json
 
+import pytest
+
 from bench.overhead import dist, kind_of, pct, report
 from bench.overhead_profile import summarize_stacks
 from bench.overhead_client import Client
@@ -77,7 +79,56 @@ def test_slow_reader_stream_is_parsed_through_chunked_encoding():
         try:
             return await c.raw_stream([1, 2], 3, delay=0.05)
         finally:
-            await c.http.aclose()
+            await c.aclose()
             server.close()
     out = asyncio.run(go())
     assert out["tokens"] == 3 and out["status"].endswith("200 OK")
+
+
+@pytest.mark.parametrize("http", ["aiohttp", "httpx"])
+def test_each_http_client_reads_a_stream_and_a_whole_answer(http):
+    """Both load generators (aiohttp, the default, as SGLang's and vLLM's bench clients; httpx) count the
+    same tokens from a chunked SSE stream cut inside its lines, and from a whole JSON answer."""
+    events = [{"output_ids": list(range(k))} for k in (1, 2, 3, 4)]
+    sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+
+    async def handle(reader, writer):
+        while True:
+            n, stream = 0, False
+            line = await reader.readline()
+            if not line:
+                break
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                if line.lower().startswith(b"content-length:"):
+                    n = int(line.split(b":")[1])
+            stream = json.loads(await reader.readexactly(n))["stream"]
+            if stream:
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+                for i in range(0, len(sse), 5):
+                    part = sse[i:i + 5].encode()
+                    writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+                writer.write(b"0\r\n\r\n")
+            else:
+                body = json.dumps({"output_ids": [5, 6, 7]}).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                             % len(body) + body)
+            await writer.drain()
+        writer.close()
+
+    async def go():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        c = Client(f"http://127.0.0.1:{port}", http=http)
+        try:
+            return await c.stream([1, 2], 4), await c.one([1, 2], 3)
+        finally:
+            await c.aclose()
+            server.close()
+    streamed, (latency, n) = asyncio.run(go())
+    assert streamed["tokens"] == 4 and streamed["ttft"] is not None and streamed["ttft"] <= streamed["latency"]
+    assert n == 3 and latency > 0
+
+
+def test_an_unknown_http_client_is_refused():
+    with pytest.raises(ValueError, match="http"):
+        Client("http://127.0.0.1:1", http="requests")
