@@ -39,9 +39,11 @@ class Backend(Protocol):
     sampling_defaults: dict   # the checkpoint's generation_config.json defaults (engine/model/loader.py)
 
     def stream(self, ids: list[int], params: SamplingParams, avoid: tuple[str, ...] = (),
-               pin: Served | None = None) -> ServedStream:
+               pin: Served | None = None, whole: bool = False) -> ServedStream:
         """The request's items, and (from its first item on) which workers serve it. ``avoid``: workers
-        that just failed it; ``pin``: serve it where an earlier sample of the prompt was served."""
+        that just failed it; ``pin``: serve it where an earlier sample of the prompt was served; ``whole``:
+        nothing is sent before the answer is whole, so its items may come merged (an item's ``held_s``
+        says how long its first token waited)."""
     async def health(self) -> dict: ...
     async def flush_cache(self) -> dict: ...   # {"flushed": bool, ...} (actors/flush.py)
     async def gauges(self) -> dict: ...
@@ -200,9 +202,11 @@ class Frontend:
             raise bad(field, str(e)) from None
 
     # ---- serving ----------------------------------------------------------------------------------
-    async def run(self, s: Sample, avoid: tuple[str, ...] = (), pin: Served | None = None) -> AsyncIterator[StreamItem]:
+    async def run(self, s: Sample, avoid: tuple[str, ...] = (), pin: Served | None = None,
+                  whole: bool = False) -> AsyncIterator[StreamItem]:
         """Admission control, metrics and error mapping around the backend's stream of sample ``s``;
-        which workers serve it is kept on ``s`` (``s.served``) once its first item arrived."""
+        which workers serve it is kept on ``s`` (``s.served``) once its first item arrived. ``whole``:
+        Backend.stream's (a non-streamed answer)."""
         if self.draining:
             raise HTTPException(503, "shutting down: this server takes no new requests")
         if self.inflight >= self.max_inflight:
@@ -212,7 +216,7 @@ class Frontend:
         t0 = time.perf_counter()
         first = last = None
         try:
-            items = self.backend.stream(s.prompt_ids, s.params, avoid, pin)
+            items = self.backend.stream(s.prompt_ids, s.params, avoid, pin, whole)
             async for item in items:
                 s.served = items.served
                 now = time.perf_counter()
@@ -223,11 +227,15 @@ class Frontend:
                     self._generated.append((time.monotonic(), len(item.token_ids)))
                     while self._generated[0][0] < self._generated[-1][0] - 60.0:
                         self._generated.popleft()
+                    n = len(item.token_ids)
                     if first is None:
-                        first = now
-                        m.observe("strata_ttft_seconds", now - t0)
+                        # A merged item's first token was made held_s before it came (WHOLE_SEND_TOKENS).
+                        first = now - min(item.held_s, now - t0)
+                        m.observe("strata_ttft_seconds", first - t0)
+                        if n > 1:
+                            m.observe("strata_inter_token_seconds", (now - first) / (n - 1))
                     elif last is not None:
-                        m.observe("strata_inter_token_seconds", (now - last) / len(item.token_ids))
+                        m.observe("strata_inter_token_seconds", (now - last) / n)
                     last = now
                 if item.finished:
                     m.inc("strata_requests_total")
@@ -262,7 +270,7 @@ class Frontend:
         for attempt in range(2):
             s = replace(sample, token_ids=[], logprobs=[], prompt_logprobs=None, last=None, served=None)
             try:
-                gen = self.run(s, avoid, pin)
+                gen = self.run(s, avoid, pin, whole=True)
                 item = await self.first_or_error(gen, retryable=True)
                 while item is not None:
                     s.feed(item)

@@ -69,13 +69,16 @@ class Workers(Protocol):
         worker reserves ``res`` itself; a decode worker it cannot reach is a ``PeerFailed`` naming it."""
 
     def decode_leased(self, decode: str, ids: list[int], lease_id: str, receipt: ReceiptRef,
-                      params: SamplingParams) -> AsyncIterator[StreamItem]: ...
+                      params: SamplingParams, whole: bool = False) -> AsyncIterator[StreamItem]: ...
 
     def cancel(self, decode: str, lease_id: str) -> None:
         """Fire and forget: a no-op once committed; a dead worker holds no leases; ahead of its reserve,
         the lease is refused when that comes."""
 
-    def generate(self, worker: str, ids: list[int], params: SamplingParams) -> AsyncIterator[StreamItem]: ...
+    def generate(self, worker: str, ids: list[int], params: SamplingParams,
+                 whole: bool = False) -> AsyncIterator[StreamItem]:
+        """``whole`` (here and in decode_leased): the reader wants only the whole answer; the worker may send
+        many steps' tokens as one item."""
 
 
 class KVHandoff:
@@ -83,12 +86,13 @@ class KVHandoff:
         self.workers = workers
 
     async def run(self, ids: list[int], params: SamplingParams, prefill: str,
-                  decode: str | None) -> AsyncIterator[StreamItem]:
+                  decode: str | None, whole: bool = False) -> AsyncIterator[StreamItem]:
         """Stream one request's items: through ``prefill`` alone (colocated) or handed off to ``decode``.
         The last carries the prefill side's cached-token counts. (Which workers served it is the caller's
-        choice, known before: it travels beside the items, actors/served.py.)"""
+        choice, known before: it travels beside the items, actors/served.py.) ``whole``: a non-streamed
+        request (Workers.generate)."""
         if decode is None:
-            async for item in self.workers.generate(prefill, ids, params):
+            async for item in self.workers.generate(prefill, ids, params, whole):
                 yield item
             return
         res = Reservation.new(decode, len(ids))
@@ -101,7 +105,7 @@ class KVHandoff:
             cached, by_tier = first.cached_tokens, first.cached_tokens_by_tier
             first.finished, first.finish_reason = False, None
             yield first
-            async for item in self.workers.decode_leased(decode, ids, res.lease_id, receipt, params):
+            async for item in self.workers.decode_leased(decode, ids, res.lease_id, receipt, params, whole):
                 committed = True
                 if item.finished:
                     item.cached_tokens, item.cached_tokens_by_tier = cached, by_tier

@@ -73,13 +73,14 @@ class RayBackend:
         self._route_retry_at = 0.0
 
     def stream(self, ids: list[int], params: SamplingParams, avoid: tuple[str, ...] = (),
-               pin: Served | None = None) -> ServedStream:
+               pin: Served | None = None, whole: bool = False) -> ServedStream:
         """``pin``: the workers of an earlier request (the same prompt's other samples go where its KV
-        is); a pinned worker that is gone is routed around."""
-        return ServedStream(self._serve(ids, params, avoid, pin))
+        is); a pinned worker that is gone is routed around. ``whole``: a non-streamed request (its items
+        may come merged)."""
+        return ServedStream(self._serve(ids, params, avoid, pin, whole))
 
     async def _serve(self, ids: list[int], params: SamplingParams, avoid: tuple[str, ...],
-                     pin: Served | None) -> AsyncGenerator[Served | StreamItem, None]:
+                     pin: Served | None, whole: bool = False) -> AsyncGenerator[Served | StreamItem, None]:
         """The chosen ``Served`` first, then the request's items."""
         try:
             if self.router_cfg is None:
@@ -101,7 +102,7 @@ class RayBackend:
             await self._wait_alive(w)  # the only such worker failed this request: let it restart first
         yield served
         try:
-            async for item in self.handoff.run(ids, params, served.prefill, served.decode):
+            async for item in self.handoff.run(ids, params, served.prefill, served.decode, whole):
                 yield item
         except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
             raise WorkerFailed(str(e).splitlines()[0][:300],
@@ -213,16 +214,17 @@ class RayBackend:
             raise ServiceUnavailable(f"prefill on {prefill} with kv transfer to {res.decode} timed out") from None
 
     async def decode_leased(self, decode: str, ids: list[int], lease_id: str, receipt: ReceiptRef,
-                            params: SamplingParams) -> AsyncIterator[StreamItem]:
+                            params: SamplingParams, whole: bool = False) -> AsyncIterator[StreamItem]:
         handle = self.workers[decode]
         async for item in self._over_channel(
-                decode, lambda ch, key: handle.submit_leased.remote(ids, lease_id, receipt, params, ch, key)):
+                decode, lambda ch, key: handle.submit_leased.remote(ids, lease_id, receipt, params, ch, key, whole)):
             yield item
 
     def cancel(self, decode: str, lease_id: str) -> None:
         self.workers[decode].cancel.remote(lease_id)
 
-    async def generate(self, worker: str, ids: list[int], params: SamplingParams) -> AsyncIterator[StreamItem]:
+    async def generate(self, worker: str, ids: list[int], params: SamplingParams,
+                       whole: bool = False) -> AsyncIterator[StreamItem]:
         """One request on ``worker``, sent over its token channel (no Ray call: ChannelClient.submit); its
         items come back there. A worker that dies (the channel's connection drops) is WorkerFailed, which
         the caller retries; closing this early aborts the request on the worker."""
@@ -230,7 +232,7 @@ class RayBackend:
         key, q = client.open()
         finished = False
         try:
-            client.submit(key, ids, params)
+            client.submit(key, ids, params, whole)
             async for item in request_items(q, self.timeout, CHANNEL_GRACE_S):
                 finished = item.finished
                 yield item

@@ -33,7 +33,8 @@ class LocalBackend:
         return cls(Engine.from_pretrained(model, **kw), model_name or model)
 
     def stream(self, ids: list[int], params: SamplingParams, avoid: tuple[str, ...] = (),
-               pin: Served | None = None) -> ServedStream:
+               pin: Served | None = None, whole: bool = False) -> ServedStream:
+        """(``whole`` changes nothing here: in one process, an item per step costs no message.)"""
         return ServedStream(self._serve(ids, params))
 
     async def _serve(self, ids: list[int], params: SamplingParams) -> AsyncGenerator[Served | StreamItem, None]:

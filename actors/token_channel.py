@@ -7,7 +7,9 @@ ingress, beside Ray (no Ray here).
 
 The tokens do not ride on Ray: a Ray streamed object per token costs ~1 ms of CPU in the worker and more
 in the ingress (pickled, stored, one RPC each), a step's items for every request of one ingress cost one
-message here. Requests come two ways:
+message here. A non-streamed request's items are held on the worker and leave merged, at its end or every
+WHOLE_SEND_TOKENS tokens (engine/async_engine.py), as SGLang's scheduler sends such a request's output: its
+reader wants only the whole answer. Requests come two ways:
 
 * over the channel itself (``ChannelClient.submit``): a PUSH beside the DEALER sends ``[SUBMIT, identity,
   key, request]`` to the worker's PULL, whose own thread hands it to the engine thread (``on_request``);
@@ -29,8 +31,9 @@ Wire (frames after the ROUTER's routing id): ``[HELLO]`` / ``[ACK]``; ``[ITEMS, 
 msgpack array of ``[key, *StreamItem fields]`` in the dataclass's order (TokenLogprob as arrays), or
 ``[PICKLED, payload]`` for a batch msgpack cannot encode (a value of an unexpected type); ``[ERROR,
 payload]``, msgpack ``[key, kind, message]``. Requests (PUSH -> PULL): ``[SUBMIT, identity, key,
-pickle((prompt ids, SamplingParams))]`` (pickled as Ray would: both ends are the cluster's own
-processes), ``[ABORT, identity, key]``.
+pickle((prompt ids, SamplingParams, whole))]`` (pickled as Ray would: both ends are the cluster's own
+processes; ``whole``: a non-streamed request, whose items the worker sends merged), ``[ABORT, identity,
+key]``.
 """
 from __future__ import annotations
 
@@ -94,6 +97,7 @@ class _Wire(msgspec.Struct, array_like=True):
     logprobs: list[TokenLogprob]
     prompt_logprobs: list[TokenLogprob | None] | None
     matched_stop: int | str | None
+    held_s: float = 0.0
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -105,7 +109,8 @@ def encode_items(items: Iterable[tuple[int, StreamItem]]) -> tuple[bytes, bytes]
     (a field of a type the engine does not normally produce)."""
     items = list(items)
     rows = [(k, i.rid, i.token_ids, i.finished, i.finish_reason, i.prompt_tokens, i.cached_tokens,
-             i.cached_tokens_by_tier, i.error, i.logprobs, i.prompt_logprobs, i.matched_stop) for k, i in items]
+             i.cached_tokens_by_tier, i.error, i.logprobs, i.prompt_logprobs, i.matched_stop, i.held_s)
+            for k, i in items]
     try:
         return ITEMS, _encoder.encode(rows)
     except (TypeError, msgspec.EncodeError):
@@ -116,7 +121,8 @@ def decode_items(kind: bytes, payload: bytes) -> list[tuple[int, StreamItem]]:
     if kind == PICKLED:
         return pickle.loads(payload)
     return [(w.key, StreamItem(w.rid, w.token_ids, w.finished, w.finish_reason, w.prompt_tokens, w.cached_tokens,
-                               w.cached_tokens_by_tier, w.error, w.logprobs, w.prompt_logprobs, w.matched_stop))
+                               w.cached_tokens_by_tier, w.error, w.logprobs, w.prompt_logprobs, w.matched_stop,
+                               w.held_s))
             for w in _decoder.decode(payload)]
 
 
@@ -128,7 +134,7 @@ class ChannelServer:
     dropped by ZMQ). A small thread answers the clients' hellos. The socket is shared by the two threads
     under a lock (ZMQ sockets may change threads across a full barrier), as the KV-event publisher does."""
 
-    def __init__(self, host: str, on_request: Callable[[Route, Any, Any], None] | None = None,
+    def __init__(self, host: str, on_request: Callable[[Route, Any, Any, bool], None] | None = None,
                  on_abort: Callable[[Route], None] | None = None) -> None:
         self._ctx = zmq.Context(1)
         try:
@@ -192,11 +198,11 @@ class ChannelServer:
                     self.received_requests += 1
                     route = Route(channel, key)
                     try:
-                        ids, params = pickle.loads(frames[3])
+                        ids, params, whole = pickle.loads(frames[3])
                     except Exception as e:  # noqa: BLE001 - a request that cannot be read is refused, not dropped
                         self.send_error(route, ValueError(f"request cannot be read: {e!r}"))
                         continue
-                    self.on_request(route, ids, params)
+                    self.on_request(route, ids, params, bool(whole))
                 elif kind == ABORT and self.on_abort is not None:
                     self.on_abort(Route(channel, key))
                 else:
@@ -282,15 +288,16 @@ class ChannelClient:
     def release(self, key: int) -> None:
         self._queues.pop(key, None)
 
-    def submit(self, key: int, ids: list[int], params: Any) -> None:
+    def submit(self, key: int, ids: list[int], params: Any, whole: bool = False) -> None:
         """Send request ``key`` (``open`` it first) to the worker over the channel; its items, or the error
-        that refused it, or the channel's loss, come in its queue."""
+        that refused it, or the channel's loss, come in its queue. ``whole``: its reader wants the whole
+        answer only, so the worker sends its items merged (engine/async_engine.py WHOLE_SEND_TOKENS)."""
         if self._push is None:
             raise RuntimeError(f"token channel {self.endpoint}: opened without the worker's request endpoint")
         if self.closed:
             raise ChannelLost(f"token channel {self.endpoint} is closed")
         self._push.send_multipart((SUBMIT, self.identity, key.to_bytes(8, "little"),
-                                   pickle.dumps((ids, params), protocol=pickle.HIGHEST_PROTOCOL)), copy=False)
+                                   pickle.dumps((ids, params, whole), protocol=pickle.HIGHEST_PROTOCOL)), copy=False)
 
     def abort(self, key: int) -> None:
         """Stop request ``key`` on the worker (its client left); a no-op for one already over."""

@@ -457,31 +457,32 @@ class WorkerActor:
         """(the token channel's address, where requests over it go): ChannelClient's two ends."""
         return self.channel.endpoint, self.channel.requests_endpoint
 
-    def _channel_request(self, route, ids, params) -> None:
+    def _channel_request(self, route, ids, params, whole: bool = False) -> None:
         """A request that came over the token channel (its request thread): straight to the engine thread,
-        its items back on the channel, a refusal as the client's error."""
+        its items back on the channel (merged for a ``whole`` one), a refusal as the client's error."""
         if not isinstance(params, SamplingParams):
             self.channel.send_error(route, ValueError(f"sampling params: expected SamplingParams, "
                                                       f"got {type(params).__name__}"))
             return
-        self.core.submit_routed(ids, params, route, self.channel.send_error)
+        self.core.submit_routed(ids, params, route, self.channel.send_error, whole=whole)
 
-    async def submit(self, ids: list[int], params: SamplingParams, channel: bytes, key: int) -> None:
+    async def submit(self, ids: list[int], params: SamplingParams, channel: bytes, key: int,
+                     whole: bool = False) -> None:
         """A request as a Ray call (drivers and benches; the ingress sends over the channel itself), its
         items over the channel. Runs one request; its items go to the ingress ``channel`` (which said hello to this worker's token
         channel, else StaleChannel) tagged ``key``, one message per step. Returns once the request is over
         (its last item is on the channel); cancelling this call aborts it."""
         route = self.channel.route(channel, key)
-        async for _last in self.core.generate(ids, params, route=route):
+        async for _last in self.core.generate(ids, params, route=route, whole=whole):
             pass
 
     async def submit_leased(self, ids: list[int], lease_id: str, receipt: Receipt | None, params: SamplingParams,
-                            channel: bytes, key: int) -> None:
-        """``decode_leased`` whose items go over the token channel, as ``submit``'s do."""
+                            channel: bytes, key: int, whole: bool = False) -> None:
+        """``decode_leased`` whose items go over the token channel, as ``submit``'s do (``whole``: merged)."""
         route = self.channel.route(channel, key)
         await self._await_arrival(lease_id, receipt)
         async for _last in self.core.decode_leased(ids, lease_id, receipt, params, time.monotonic(), self.transfer,
-                                                   route=route):
+                                                   route=route, whole=whole):
             pass
 
     # ---- operations ------------------------------------------------------------------------------

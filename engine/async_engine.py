@@ -39,6 +39,25 @@ class StreamItem:
     logprobs: list = field(default_factory=list)         # TokenLogprob per token of token_ids, if asked
     prompt_logprobs: list | None = None                  # prompt-token logprobs computed since the last item
     matched_stop: int | str | None = None                # on the last item: the stop id or string that ended it
+    held_s: float = 0.0                                  # how long its first token waited on the worker (whole)
+
+
+WHOLE_SEND_TOKENS = 50
+"""A whole (non-streamed) request's items are held on the engine thread and sent as one: when it ends, or
+once this many tokens are held (so a long answer still shows progress to the ingress's timeouts). SGLang's
+scheduler sends a non-streamed request's output at the same points (its force-stream interval is 50)."""
+
+
+def merge_items(a: StreamItem, b: StreamItem) -> StreamItem:
+    """``a`` then ``b`` of one request as one item: their tokens (and logprobs) in order, ``b``'s final
+    accounting. ``a`` is changed and returned."""
+    a.token_ids = a.token_ids + b.token_ids
+    a.logprobs = a.logprobs + b.logprobs
+    if b.prompt_logprobs is not None:
+        a.prompt_logprobs = (a.prompt_logprobs or []) + b.prompt_logprobs
+    a.finished, a.finish_reason, a.error, a.matched_stop = b.finished, b.finish_reason, b.error, b.matched_stop
+    a.prompt_tokens, a.cached_tokens, a.cached_tokens_by_tier = b.prompt_tokens, b.cached_tokens, b.cached_tokens_by_tier
+    return a
 
 
 class PrefillResult(NamedTuple):
@@ -57,6 +76,11 @@ class _Sink:
     items: asyncio.Queue
     payload: KVPayload | None = None   # a prefill-only request's export, set before its last item is put
     route: Any = None
+    # A whole request (routed only): its items are held here and sent as one (WHOLE_SEND_TOKENS); ``held_at``
+    # is when the first held token was made (time.monotonic()).
+    whole: bool = False
+    held: StreamItem | None = None
+    held_at: float = 0.0
 
 
 class AsyncEngine:
@@ -149,6 +173,15 @@ class AsyncEngine:
         if sink.route is None:
             sink.loop.call_soon_threadsafe(sink.items.put_nowait, item)
             return
+        if sink.whole:   # one message for many steps: what a reader of the whole answer needs
+            if sink.held is None:
+                sink.held, sink.held_at = item, time.monotonic()
+            else:
+                merge_items(sink.held, item)
+            if not item.finished and len(sink.held.token_ids) < WHOLE_SEND_TOKENS:
+                return
+            item, sink.held = sink.held, None
+            item.held_s = time.monotonic() - sink.held_at
         self._routed.append((sink.route, item))
         if item.finished:
             self._routed_last.append((sink, item))
@@ -260,26 +293,27 @@ class AsyncEngine:
     def new_rid(self, prefix: str = "r") -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    def _sink(self, route: Any) -> _Sink | None:
+    def _sink(self, route: Any, whole: bool = False) -> _Sink | None:
         if route is None:
             return None
         if self.on_step is None:
             raise ValueError("a routed request needs on_step (where its items go)")
-        return _Sink(asyncio.get_running_loop(), asyncio.Queue(), route=route)
+        return _Sink(asyncio.get_running_loop(), asyncio.Queue(), route=route, whole=whole)
 
     def generate(self, prompt, params: SamplingParams, rid: str | None = None,
-                 route: Any = None) -> AsyncIterator[StreamItem]:
+                 route: Any = None, whole: bool = False) -> AsyncIterator[StreamItem]:
         """The request's items; with a ``route``, they go to ``on_step`` tagged with it and this yields only
-        the last (closing it early aborts the request all the same)."""
+        the last (closing it early aborts the request all the same). ``whole``: a routed request whose
+        reader wants only the whole answer; its items go out merged (WHOLE_SEND_TOKENS)."""
         rid = rid or self.new_rid()
-        return self._stream(rid, lambda e: e.add_request(prompt, params, rid), self._sink(route))
+        return self._stream(rid, lambda e: e.add_request(prompt, params, rid), self._sink(route, whole))
 
     def submit_routed(self, prompt, params: SamplingParams, route: Any,
-                      refused: Callable[[Any, BaseException], None]) -> None:
+                      refused: Callable[[Any, BaseException], None], whole: bool = False) -> None:
         """``generate`` with a ``route`` for a caller without an event loop (a token channel's request
         thread): queued to the engine thread and returned at once. Every item goes to ``on_step``; a request
         the engine refuses goes to ``refused(route, error)`` instead. A flush's hold defers the admission
-        until it ends. ``abort_routed(route)`` stops it."""
+        until it ends. ``abort_routed(route)`` stops it. ``whole``: as in ``generate``."""
         if self.on_step is None:
             raise ValueError("a routed request needs on_step (where its items go)")
         rid = self.new_rid()
@@ -288,7 +322,7 @@ class AsyncEngine:
             if self.held():
                 self._deferred.append(add)
                 return
-            sink = _Sink(None, None, route=route)   # type: ignore[arg-type]
+            sink = _Sink(None, None, route=route, whole=whole)   # type: ignore[arg-type]
             self._streams[rid] = sink
             self._by_route[route] = rid
             try:
@@ -327,12 +361,13 @@ class AsyncEngine:
         return PrefillResult(last, sink.payload)
 
     def decode_leased(self, prompt, lease_id: str, rec: Receipt | None, params: SamplingParams, now: float,
-                      backend: TransferBackend, rid: str | None = None, route: Any = None) -> AsyncIterator[StreamItem]:
+                      backend: TransferBackend, rid: str | None = None, route: Any = None,
+                      whole: bool = False) -> AsyncIterator[StreamItem]:
         """Admit a request whose KV ``backend`` fills into the pages of ``lease_id`` from the sender's
-        receipt ``rec`` (Engine.add_leased), and stream its tokens (``route``: as in ``generate``)."""
+        receipt ``rec`` (Engine.add_leased), and stream its tokens (``route``, ``whole``: as in ``generate``)."""
         rid = rid or self.new_rid()
         return self._stream(rid, lambda e: e.add_leased(prompt, lease_id, rec, params, backend, rid, now=now),
-                            self._sink(route))
+                            self._sink(route, whole))
 
     async def abort(self, rid: str) -> None:
         await self.call(lambda e: self._abort_now(rid))

@@ -156,9 +156,9 @@ def test_generation_config_sampling_defaults_apply_where_the_request_is_silent(t
     class Capture(LocalBackend):
         seen: list = []
 
-        def stream(self, ids, params, avoid=(), pin=None):
+        def stream(self, ids, params, avoid=(), pin=None, whole=False):
             self.seen.append(params)
-            return super().stream(ids, params, avoid, pin)
+            return super().stream(ids, params, avoid, pin, whole)
 
     backend = Capture.from_pretrained(str(p), model_name="m", num_pages=64)
     with TestClient(build_app(backend)) as c:

@@ -29,7 +29,7 @@ class Recorder:
         return StreamItem("r", [7], finished=True, finish_reason=self.first_reason, cached_tokens=16,
                           cached_tokens_by_tier={"L1": 16, "L2": 0, "L3": 0}), RECEIPT
 
-    async def decode_leased(self, decode, ids, lease_id, receipt, params):
+    async def decode_leased(self, decode, ids, lease_id, receipt, params, whole=False):
         self.calls.append(("decode_leased", decode, lease_id, receipt))
         for i in range(self.n):
             yield StreamItem("r", [8 + i], finished=i == self.n - 1, finish_reason="length" if i == self.n - 1 else None)
@@ -37,7 +37,7 @@ class Recorder:
     def cancel(self, decode, lease_id):
         self.calls.append(("cancel", decode, lease_id))
 
-    async def generate(self, worker, ids, params):
+    async def generate(self, worker, ids, params, whole=False):
         self.calls.append(("generate", worker))
         yield StreamItem("r", [1], finished=True, finish_reason="length")
 

@@ -52,7 +52,7 @@ class Backend:
     def __init__(self):
         self.pins = []
 
-    def stream(self, ids, params, avoid=(), pin=None):
+    def stream(self, ids, params, avoid=(), pin=None, whole=False):
         self.pins.append(pin)
         return ServedStream(_gen(pin or Served("prefill-0", "decode-0", 16), *_items(2)))
 

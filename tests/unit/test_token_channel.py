@@ -13,7 +13,7 @@ import zmq.asyncio
 from actors.token_channel import (RETURNED, ChannelClient, ChannelLost, ChannelServer, Route, StaleChannel,
                                   decode_items, encode_items, request_items, settle)
 from engine import Engine, SamplingParams
-from engine.async_engine import AsyncEngine, StreamItem
+from engine.async_engine import WHOLE_SEND_TOKENS, AsyncEngine, StreamItem, merge_items
 from engine.sampling import TokenLogprob
 
 ITEMS = [
@@ -24,6 +24,7 @@ ITEMS = [
     StreamItem("r-2", [], True, "stop", 1, 0, {}, None, [], [], 42),               # stopped by a token id
     StreamItem("r-3", [], True, "error", error="engine step failed: boom"),
     StreamItem("r-4", [3, 4, 5], False, None, 0, 0, {}, None, [TokenLogprob(3, -1e-9, (), 2)] * 3, None, None),
+    StreamItem("r-5", [6, 7], True, "length", 4, 0, held_s=0.125),                 # a whole request's merged item
 ]
 
 
@@ -283,8 +284,8 @@ async def _run(gen):
 @pytest.fixture
 def serving(core):
     """A server whose requests go straight to the engine thread, as WorkerActor wires it."""
-    s = ChannelServer("127.0.0.1", on_request=lambda route, ids, params: core.submit_routed(
-        ids, params, route, s.send_error), on_abort=core.abort_routed)
+    s = ChannelServer("127.0.0.1", on_request=lambda route, ids, params, whole: core.submit_routed(
+        ids, params, route, s.send_error, whole=whole), on_abort=core.abort_routed)
     core.on_step = s.send_step
     yield s
     s.close()
@@ -324,6 +325,44 @@ def test_requests_sent_over_the_channel_stream_the_engines_items(core, serving):
     assert all(g[-1].finished and g[-1].prompt_tokens == len(p) for g, p in zip(got, prompts))
     assert serving.received_requests == 3
     assert not core.engine.requests and not core._by_route
+
+
+def test_a_whole_request_comes_merged_with_the_tokens_of_a_streamed_one(core, serving):
+    """A non-streamed (whole) request's items leave the worker merged, every WHOLE_SEND_TOKENS tokens and at
+    its end, with how long its first token waited; the tokens, logprobs and accounting are the streamed
+    request's, and a streamed request beside it still gets one item per step."""
+    n_new = WHOLE_SEND_TOKENS * 2 + 7
+    sp = SamplingParams(max_new_tokens=n_new, ignore_eos=True, logprobs=True, top_logprobs=2)
+    prompt = list(range(3, 40))
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        c = await _requester(serving, ctx)
+        (ks, qs), (kw, qw) = c.open(), c.open()
+        c.submit(ks, prompt, sp)
+        c.submit(kw, prompt, sp, whole=True)
+        streamed, whole = await asyncio.gather(_items(qs), _items(qw))
+        c.close()
+        ctx.term()
+        return streamed, whole
+    streamed, whole = asyncio.run(main())
+    assert len(streamed) == n_new and all(len(i.token_ids) == 1 and i.held_s == 0 for i in streamed)
+    assert [len(i.token_ids) for i in whole] == [WHOLE_SEND_TOKENS, WHOLE_SEND_TOKENS, 7]
+    assert all(i.held_s > 0 for i in whole) and [i.finished for i in whole] == [False, False, True]
+    flat = lambda items: ([t for i in items for t in i.token_ids], [lp.token_id for i in items for lp in i.logprobs])
+    assert flat(whole) == flat(streamed) and len(flat(whole)[1]) == n_new
+    for f in ("finish_reason", "prompt_tokens", "cached_tokens", "matched_stop"):
+        assert getattr(whole[-1], f) == getattr(streamed[-1], f), f
+    assert not core.engine.requests and not core._by_route
+
+
+def test_merged_items_keep_every_token_logprob_and_the_last_accounting():
+    lp = [TokenLogprob(t, -0.5 * t) for t in range(4)]
+    a = StreamItem("r", [0], prompt_tokens=3, logprobs=lp[:1], prompt_logprobs=[None, TokenLogprob(9, -1.0)])
+    merge_items(a, StreamItem("r", [1, 2], logprobs=lp[1:3]))
+    merge_items(a, StreamItem("r", [3], True, "stop", 3, 2, {"L1": 2}, None, lp[3:], None, 7))
+    assert a == StreamItem("r", [0, 1, 2, 3], True, "stop", 3, 2, {"L1": 2}, None, lp,
+                           [None, TokenLogprob(9, -1.0)], 7)
 
 
 def test_a_refused_request_is_raised_as_its_kind_and_others_go_on(core, serving):
@@ -385,7 +424,7 @@ def test_a_flush_hold_defers_a_request_over_the_channel_until_it_ends(core, serv
 
 
 def test_a_worker_that_goes_away_fails_every_open_request_of_its_channel(core):
-    s = ChannelServer("127.0.0.1", on_request=lambda route, ids, params: None)   # takes requests, answers none
+    s = ChannelServer("127.0.0.1", on_request=lambda route, ids, params, whole: None)   # takes requests, answers none
 
     async def main():
         ctx = zmq.asyncio.Context()
