@@ -90,8 +90,10 @@ class KVHandoff:
         """Stream one request's items: through ``prefill`` alone (colocated) or handed off to ``decode``.
         The last carries the prefill side's cached-token counts. (Which workers served it is the caller's
         choice, known before: it travels beside the items, actors/served.py.) ``whole``: a non-streamed
-        request (Workers.generate)."""
-        if decode is None:
+        request (Workers.generate). A request that ends at its first token (max_new_tokens <= 1: a score,
+        a loglikelihood) has no decode phase: the prefill worker serves it alone, with no lease and no
+        transfer."""
+        if decode is None or params.max_new_tokens <= 1:
             async for item in self.workers.generate(prefill, ids, params, whole):
                 yield item
             return

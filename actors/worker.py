@@ -407,8 +407,10 @@ class WorkerActor:
         budget = min(self.tcfg.transfer_timeout, dest.ttl) - (time.monotonic() - t0)
         if budget <= 0:
             raise TransferError(f"transfer to {dest.worker_id}: the lease's time was used up before sending")
-        # Off the event loop: a one-sided send blocks until its completion (bounded by the budget).
-        rec = await asyncio.to_thread(self.transfer.send, payload, dest, budget)
+        if self.transfer.one_sided:   # off the event loop: it blocks until its completion (within the budget)
+            rec = await asyncio.to_thread(self.transfer.send, payload, dest, budget)
+        else:   # a two-sided send only packs (the payload leaves as this task's return): no thread hop
+            rec = self.transfer.send(payload, dest, budget)
         return first, rec._replace(sender=self.worker_id)
 
     async def decode_leased(self, ids: list[int], lease_id: str, receipt: Receipt | None, params: SamplingParams):

@@ -16,6 +16,7 @@ Commands (``op``):
                ignore_eos), at most ``concurrency`` in flight (closed loop); latencies and wall time.
   ``streams``  {"prompts", "max_new"}: every prompt streamed at once; each request's TTFT (first chunk
                carrying an output token) and latency.
+  ``stream_seq`` {"prompts", "max_new"}: the prompts streamed one after another; each one's TTFT.
   ``slow``     {"prompts", "max_new", "slow_prompt", "slow_max_new", "slow_delay"}: ``streams`` of
                ``prompts`` beside one more stream (when ``slow_prompt`` is set) whose reader reads
                nothing for ``slow_delay`` seconds, then everything (its own socket, a 4 KB receive
@@ -191,6 +192,10 @@ class Client:
             wall = time.perf_counter() - t
             bad = sum(n != cmd["max_new"] for _, n in res)
             return {"latency": [d for d, _ in res], "wall": wall, "wrong_length": bad}
+        if op == "stream_seq":   # one streamed request after another: each one's TTFT alone
+            res = [await self.stream(p, cmd["max_new"]) for p in cmd["prompts"]]
+            return {"ttft": [r["ttft"] for r in res], "latency": [r["latency"] for r in res],
+                    "wrong_length": sum(r["tokens"] != cmd["max_new"] for r in res)}
         if op in ("streams", "slow"):
             tasks = [self.stream(p, cmd["max_new"]) for p in cmd["prompts"]]
             slow = None

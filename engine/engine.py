@@ -318,9 +318,10 @@ class Engine:
             if lps[i] is not None:
                 req.logprobs.append(lps[i])
             reason = self._stop_reason(req, tok)
-            if req.prefill_only and len(req.output_ids) == 1:
+            if req.prefill_only and len(req.output_ids) == 1 and reason is None:
+                # Only a request that goes on elsewhere exports: one its first token ended hands nothing on.
                 req.kv_payload = export_kv(req, self.pools, self.geometry)
-                reason = reason or "prefill"
+                reason = "prefill"
             if reason is not None:
                 self._finish(req, reason)
             elif len(req.output_ids) == 1:

@@ -92,6 +92,15 @@ def test_a_colocated_route_generates_on_one_worker():
     assert w.calls == [("generate", "colocated-0")] and [i.token_ids for i in items] == [[1]]
 
 
+@pytest.mark.parametrize("max_new", [0, 1])
+def test_a_request_without_a_decode_phase_stays_on_its_prefill_worker(max_new):
+    """At most one new token: nothing to decode, so no lease, no transfer and no decode call at all."""
+    w = Recorder()
+    items = asyncio.run(_all(KVHandoff(w).run([1, 2], SamplingParams(max_new_tokens=max_new), "prefill-0",
+                                              "decode-0")))
+    assert w.calls == [("generate", "prefill-0")] and items[-1].finished
+
+
 # ---- the prefill worker's half: its prefill and the decode worker's reserve at once ------------------
 DEST = Destination("decode-0/x", "ray_object", 3, 16, [0], [], 0, 30.0, "decode-0")
 
