@@ -616,6 +616,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--http", choices=HTTP_CLIENTS, default="aiohttp",
                     help="the load generator's HTTP client (bench/overhead_client.py); aiohttp as SGLang's and "
                          "vLLM's bench clients")
+    ap.add_argument("--keep-homes", action="store_true",
+                    help="leave the servers' directories (their L3 pages) at exit and say where: a run started "
+                         "right after a removal of thousands of files pays this disk's recently-deleted scan")
     ap.add_argument("--profile", action="store_true", help="py-spy and Ray call counts, colocated short requests")
     ap.add_argument("--profile-seconds", type=float, default=20.0)
     ap.add_argument("--hops", action="store_true", help="round trips hop by hop (colocated), from a Ray driver")
@@ -626,6 +629,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="py-spy with native frames (pauses the targets at each sample); default: only the "
                          "thread holding the GIL, Python frames, --nonblocking")
     args = ap.parse_args(argv)
+    if args.keep_homes:
+        atexit.unregister(_remove_homes)
+        atexit.register(lambda: print("kept the servers' directories: " + " ".join(_HOMES)))
     if args.hops:
         name = args.configs if args.configs in ("colocated", "colocated-l1") else "colocated"
         h = hops(20 if args.quick else 60, name, args.switch_interval)
