@@ -57,8 +57,20 @@ What #37 changed, and what is left (after; README "Serving overhead" has both ta
 - This machine's disk: ext4 without a journal skips inodes deleted in the last 1-6 minutes when it
   creates a file (perf: __ext4_new_inode -> find_inode_bit -> recently_deleted), so after thousands of
   deletions an L3 page costs 0.2-0.8 ms of CPU to create instead of ~0.05. The servers' directories are
-  removed when the bench ends, not between configs; a file L3 that evicts (unlinks) pages under load pays
-  the same.
+  removed when the bench ends, not between configs (``--keep-homes`` leaves them, for a run right after
+  another); a file L3 that evicts (unlinks) pages under load pays the same.
+- Session 19: the load generator sends with aiohttp (what SGLang's bench_serving and vLLM's
+  benchmark_serving use); httpx cost ~1 ms more of the client's CPU and ~1 ms more latency per request
+  (``--http httpx`` keeps it). A trace of one colocated request (1 new token, cached 512-token prompt, a
+  raw-socket client): client -> the replica's ASGI app 0.47 ms (HAProxy, uvicorn), FastAPI and parsing
+  0.39, route over ZMQ 0.41, submit -> the engine thread 0.28, the engine step 3.1 (its alone ~2.1-2.2:
+  the step after an idle gap costs more on this VM, 2.9 ms after 10 ms idle even in one process), channel
+  back 0.23, the answer 0.25 + 0.3 out. Inside a worker a 64-token request's steps take ~11% more thread
+  CPU than in one process (task-clock 95.9 against 86.5 ms); ~5% of it was the channel send each step
+  (ZMQ's I/O thread woken per step), now gone for non-streamed requests: their items leave merged
+  (engine/async_engine.py WHOLE_SEND_TOKENS, SGLang's force-stream interval). A P/D request that ends at
+  its first token stays on its prefill worker (no lease, no transfer); the streamed TTFT row measures the
+  handed-off one: its prefill_to Ray call costs ~1.9 ms in and ~3 ms back against ~0.3 over a channel.
 - Left, colocated (TTFT ~5-6.5 ms against the engine's ~2): HTTP in and out through HAProxy (~2.5 ms with
   the load generator's own client), and the engine step inside a worker that shares 2 cores with every
   other process: its steps take ~7% more CPU than the engine's alone (1.40 against 1.32 ms for one decode
