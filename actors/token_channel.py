@@ -8,8 +8,8 @@ ingress, beside Ray (no Ray here).
 The tokens do not ride on Ray: a Ray streamed object per token costs ~1 ms of CPU in the worker and more
 in the ingress (pickled, stored, one RPC each), a step's items for every request of one ingress cost one
 message here. A non-streamed request's items are held on the worker and leave merged, at its end or every
-WHOLE_SEND_TOKENS tokens (engine/async_engine.py), as SGLang's scheduler sends such a request's output: its
-reader wants only the whole answer. Requests come two ways:
+WHOLE_SEND_TOKENS tokens or WHOLE_SEND_SECONDS (engine/async_engine.py), much as SGLang's scheduler sends
+such a request's output: its reader wants only the whole answer. Requests come two ways:
 
 * over the channel itself (``ChannelClient.submit``): a PUSH beside the DEALER sends ``[SUBMIT, identity,
   key, request]`` to the worker's PULL, whose own thread hands it to the engine thread (``on_request``);

@@ -42,10 +42,11 @@ class StreamItem:
     held_s: float = 0.0                                  # how long its first token waited on the worker (whole)
 
 
-WHOLE_SEND_TOKENS = 50
+WHOLE_SEND_TOKENS, WHOLE_SEND_SECONDS = 50, 1.0
 """A whole (non-streamed) request's items are held on the engine thread and sent as one: when it ends, or
-once this many tokens are held (so a long answer still shows progress to the ingress's timeouts). SGLang's
-scheduler sends a non-streamed request's output at the same points (its force-stream interval is 50)."""
+once this many tokens are held, or its first held token is this old (so a long or slow answer still shows
+progress to the ingress's per-item timeout). SGLang's scheduler sends a non-streamed request's output at
+its end and every 50 tokens (its force-stream interval)."""
 
 
 def merge_items(a: StreamItem, b: StreamItem) -> StreamItem:
@@ -178,10 +179,11 @@ class AsyncEngine:
                 sink.held, sink.held_at = item, time.monotonic()
             else:
                 merge_items(sink.held, item)
-            if not item.finished and len(sink.held.token_ids) < WHOLE_SEND_TOKENS:
+            held_s = time.monotonic() - sink.held_at
+            if not item.finished and len(sink.held.token_ids) < WHOLE_SEND_TOKENS and held_s < WHOLE_SEND_SECONDS:
                 return
             item, sink.held = sink.held, None
-            item.held_s = time.monotonic() - sink.held_at
+            item.held_s = held_s
         self._routed.append((sink.route, item))
         if item.finished:
             self._routed_last.append((sink, item))

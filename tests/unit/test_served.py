@@ -2,6 +2,7 @@
 JSON users read in SGLang's ``meta_info.route``, the stream that carries the choice beside its items
 (not on them), and the frontend that keeps it on the sample and pins a prompt's other samples to it."""
 import asyncio
+import time
 
 import pytest
 
@@ -72,3 +73,31 @@ def test_the_frontend_keeps_who_served_a_sample_and_pins_the_prompts_other_sampl
     assert b.pins == [None, Served("prefill-0", "decode-0"), Served("prefill-0", "decode-0"), None]
     assert [s.served for s in done] == [Served("prefill-0", "decode-0")] * 2
     assert started[0][0].served == Served("prefill-0", "decode-0", 16)    # known once its first item came
+
+
+def test_a_whole_answers_ttft_counts_from_when_its_first_token_was_made():
+    """A non-streamed request asks for its items merged (whole=True); its TTFT metric takes off the time its
+    first token waited on the worker (held_s), and the merged tokens' inter-token time is spread over them."""
+    asked = []
+
+    class Merged:
+        model_name, max_context, vocab_size, tokenizer, sampling_defaults = "m", 64, 32, None, {}
+
+        def stream(self, ids, params, avoid=(), pin=None, whole=False):
+            asked.append(whole)
+
+            async def gen():
+                yield Served("colocated-0")
+                await asyncio.sleep(0.3)   # the worker held the tokens this long (and said so)
+                yield StreamItem("r", [1, 2, 3, 4], True, "length", held_s=0.25)
+            return ServedStream(gen())
+
+    fe = Frontend(Merged())
+    t = time.perf_counter()
+    s = asyncio.run(fe.collect(Sample(0, [1, 2], SamplingParams(max_new_tokens=4))))
+    wall = time.perf_counter() - t
+    assert s.token_ids == [1, 2, 3, 4] and asked == [True]
+    _, ttft, n = fe.metrics.hist["strata_ttft_seconds"]
+    assert n == 1 and 0 < ttft <= wall - 0.25, (ttft, wall)    # not the >= 0.3 s it took to arrive
+    _, itl, k = fe.metrics.hist["strata_inter_token_seconds"]
+    assert k == 1 and abs(itl - 0.25 / 3) < 1e-9              # 0.25 s over the 3 tokens after the first

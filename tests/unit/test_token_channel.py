@@ -13,6 +13,7 @@ import zmq.asyncio
 from actors.token_channel import (RETURNED, ChannelClient, ChannelLost, ChannelServer, Route, StaleChannel,
                                   decode_items, encode_items, request_items, settle)
 from engine import Engine, SamplingParams
+from engine import async_engine
 from engine.async_engine import WHOLE_SEND_TOKENS, AsyncEngine, StreamItem, merge_items
 from engine.sampling import TokenLogprob
 
@@ -327,10 +328,13 @@ def test_requests_sent_over_the_channel_stream_the_engines_items(core, serving):
     assert not core.engine.requests and not core._by_route
 
 
-def test_a_whole_request_comes_merged_with_the_tokens_of_a_streamed_one(core, serving):
+@pytest.mark.parametrize("seconds", [3600.0, 0.0])
+def test_a_whole_request_comes_merged_with_the_tokens_of_a_streamed_one(core, serving, monkeypatch, seconds):
     """A non-streamed (whole) request's items leave the worker merged, every WHOLE_SEND_TOKENS tokens and at
-    its end, with how long its first token waited; the tokens, logprobs and accounting are the streamed
-    request's, and a streamed request beside it still gets one item per step."""
+    its end (or each once its first token is WHOLE_SEND_SECONDS old), with how long its first token waited;
+    the tokens, logprobs and accounting are the streamed request's, and a streamed request beside it still
+    gets one item per step."""
+    monkeypatch.setattr(async_engine, "WHOLE_SEND_SECONDS", seconds)
     n_new = WHOLE_SEND_TOKENS * 2 + 7
     sp = SamplingParams(max_new_tokens=n_new, ignore_eos=True, logprobs=True, top_logprobs=2)
     prompt = list(range(3, 40))
@@ -347,8 +351,11 @@ def test_a_whole_request_comes_merged_with_the_tokens_of_a_streamed_one(core, se
         return streamed, whole
     streamed, whole = asyncio.run(main())
     assert len(streamed) == n_new and all(len(i.token_ids) == 1 and i.held_s == 0 for i in streamed)
-    assert [len(i.token_ids) for i in whole] == [WHOLE_SEND_TOKENS, WHOLE_SEND_TOKENS, 7]
-    assert all(i.held_s > 0 for i in whole) and [i.finished for i in whole] == [False, False, True]
+    if seconds:
+        assert [len(i.token_ids) for i in whole] == [WHOLE_SEND_TOKENS, WHOLE_SEND_TOKENS, 7]
+        assert all(i.held_s > 0 for i in whole) and [i.finished for i in whole] == [False, False, True]
+    else:   # no time to hold: one item per step, as streamed
+        assert [len(i.token_ids) for i in whole] == [1] * n_new and whole[-1].finished
     flat = lambda items: ([t for i in items for t in i.token_ids], [lp.token_id for i in items for lp in i.logprobs])
     assert flat(whole) == flat(streamed) and len(flat(whole)[1]) == n_new
     for f in ("finish_reason", "prompt_tokens", "cached_tokens", "matched_stop"):
