@@ -61,6 +61,17 @@ def merge_items(a: StreamItem, b: StreamItem) -> StreamItem:
     return a
 
 
+def _settle(fut: asyncio.Future, res: Any, exc: BaseException | None) -> None:
+    """``AsyncEngine.call``'s answer, on the caller's loop: a caller that was cancelled meanwhile (its client
+    left) reads nothing, and setting its future would only log an InvalidStateError."""
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(res)
+
+
 class PrefillResult(NamedTuple):
     """What a prefill-only request leaves: its first token's (last) item, and the prompt's KV for a decode
     engine (None when there is nothing to hand over: the first token ended the request, or it failed)."""
@@ -234,9 +245,9 @@ class AsyncEngine:
         def cmd() -> None:
             try:
                 res = fn(self.engine)
-                loop.call_soon_threadsafe(fut.set_result, res)
+                loop.call_soon_threadsafe(_settle, fut, res, None)
             except BaseException as e:
-                loop.call_soon_threadsafe(fut.set_exception, e)
+                loop.call_soon_threadsafe(_settle, fut, None, e)
 
         self._cmds.put(cmd)
         return fut
