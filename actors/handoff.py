@@ -1,40 +1,32 @@
 r"""The prefill -> decode handoff of one request, as one typed protocol (plain: no Ray).
 
-    prefill_to (prefill)  ------------------------------------>  decode_leased (decode)
-      |- reserve (decode)  \  at once, then the send into            ... cancel (decode) on any failure
-      |- prefill (its own) /  the leased pages
+    handoff (to the prefill worker) --> first token    the prefill worker, then:  submit_leased (decode)
+      |- reserve (decode)  \  at once, then the send into          ... cancel (decode) on any failure
+      |- prefill (its own) /  the leased pages                         before the decode commits
 
 The ingress names the lease (``Reservation``: the decode worker, an id it makes up, the prompt's
 length) and asks the prefill worker alone: that worker has the decode worker lease the pages the
 prompt's KV will occupy while it computes the prompt itself (``prefill_reserving``), so the reserve's
 round trip is off the first token's path; then it sends the KV straight into them (storage/transfer),
-answering with the first token and a ``Receipt``; the decode worker commits the lease and streams the
-rest. Until the commit, any failure or a client that leaves cancels the lease by its id (a cancel that
-overtakes its reserve refuses it, engine/pd.py; an unanswered lease also expires on its own; a one-sided
-one is quarantined until its send is over), so no page is stranded.
+answers the first token, and hands the decode half (the ``Receipt``) to the decode worker itself, which
+commits the lease and streams the rest to the ingress. Until the commit, any failure or a client that
+leaves cancels the lease by its id (a cancel that overtakes its reserve refuses it, engine/pd.py; an
+unanswered lease also expires on its own; a one-sided one is quarantined until its send is over), so no
+page is stranded.
 
 ``KVHandoff`` drives this over a ``Workers`` protocol; the Ray shell (actors/ingress.RayBackend)
-implements that protocol with the actors' ``.remote`` calls, their timeouts and their error mapping.
+implements it over the workers' token channels (actors/token_channel.py: HANDOFF), with their timeouts
+and their error mapping.
 """
 from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, NamedTuple, Protocol, TypeAlias
+from typing import AsyncIterator, Awaitable, NamedTuple, Protocol
 
 from engine.async_engine import PrefillResult, StreamItem
 from engine.sampling import SamplingParams
 from storage.transfer import Destination, TransferError
-from storage.transfer.base import Receipt
-
-if TYPE_CHECKING:   # only named in a type: the handoff itself runs without Ray
-    from ray import ObjectRef
-
-# What the prefill worker's send answered, as the decode worker is handed it: over Ray, the reference to
-# the prefill task's second return (``ObjectRef[Receipt | None]``, passed on unread: for ray_object it
-# holds the packed KV, which the decode worker reads from the object store itself); in process, the
-# ``Receipt`` itself. None (or a reference to None): nothing was sent.
-ReceiptRef: TypeAlias = "ObjectRef[Receipt | None] | Receipt | None"
 
 
 class Reservation(NamedTuple):
@@ -63,13 +55,11 @@ class PeerFailed(RuntimeError):
 
 
 class Workers(Protocol):
-    async def prefill_to(self, prefill: str, ids: list[int], params: SamplingParams, res: Reservation
-                         ) -> tuple[StreamItem, ReceiptRef]:
-        """(first token's StreamItem, the Receipt or a reference to it, passed on as is). The prefill
-        worker reserves ``res`` itself; a decode worker it cannot reach is a ``PeerFailed`` naming it."""
-
-    def decode_leased(self, decode: str, ids: list[int], lease_id: str, receipt: ReceiptRef,
-                      params: SamplingParams, whole: bool = False) -> AsyncIterator[StreamItem]: ...
+    def handoff(self, prefill: str, ids: list[int], params: SamplingParams, res: Reservation,
+                whole: bool = False) -> AsyncIterator[StreamItem]:
+        """The prefill worker's first token's item (finish_reason "prefill" when the request goes on),
+        then the decode worker's items. The prefill worker reserves ``res`` itself, and hands the decode
+        half to ``res.decode``; a decode worker it cannot reach is a ``PeerFailed`` naming it."""
 
     def cancel(self, decode: str, lease_id: str) -> None:
         """Fire and forget: a no-op once committed; a dead worker holds no leases; ahead of its reserve,
@@ -99,20 +89,22 @@ class KVHandoff:
             return
         res = Reservation.new(decode, len(ids))
         committed = False
+        items = self.workers.handoff(prefill, ids, params, res, whole)
         try:
-            first, receipt = await self.workers.prefill_to(prefill, ids, params, res)
+            first = await anext(items)
             if first.finished and first.finish_reason != "prefill":   # done at its first token
                 yield first
                 return
             cached, by_tier = first.cached_tokens, first.cached_tokens_by_tier
             first.finished, first.finish_reason = False, None
             yield first
-            async for item in self.workers.decode_leased(decode, ids, res.lease_id, receipt, params, whole):
+            async for item in items:
                 committed = True
                 if item.finished:
                     item.cached_tokens, item.cached_tokens_by_tier = cached, by_tier
                 yield item
         finally:
+            await items.aclose()   # a client that left: the prefill worker's part stops too
             if not committed:   # the lease may not exist yet (or ever): the decode side copes
                 self.workers.cancel(decode, res.lease_id)
 

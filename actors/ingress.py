@@ -4,8 +4,9 @@ pages for the prompt's KV while it computes the prompt (actors/handoff.py), then
 over the configured transfer backend (storage/transfer:
 Ray object store by default, NIXL or Mooncake), and tokens stream back over each worker's token channel
 (actors/token_channel.py: one ZMQ message per engine step, not a Ray object per token). A request served
-by one worker goes to it over that channel too (no Ray call per request); the decode half of a P/D
-request is a Ray call, which carries the prefill side's receipt.
+by one worker goes to it over that channel too (no Ray call per request), and so does a P/D request, to
+its prefill worker, which hands the decode half to the decode worker itself (a Ray call worker to worker,
+which carries the receipt of the KV it sent); the decode worker's items come over its own channel.
 
 The router is asked over its route channel (actors/route_channel.py: one ZMQ round trip, ~0.08 ms, where
 a Ray actor call costs ~1 ms and CPU on both sides), one per replica, opened on first use from the
@@ -18,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import TYPE_CHECKING, AsyncGenerator, AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncGenerator, AsyncIterator
 
 import ray
 import zmq.asyncio
@@ -27,14 +28,14 @@ from ray.actor import ActorHandle
 
 from actors.frontend import ServiceUnavailable, WorkerFailed
 from actors.flush import flush_cluster
-from actors.handoff import KVHandoff, PeerFailed, ReceiptRef, Reservation
+from actors.handoff import KVHandoff, PeerFailed, Reservation
 from actors.http_api import build_app
 from actors.prefix_router import Route
 from actors.route_channel import ChannelDown, RouteClient, RouterError
 from actors.routing import NoWorkerError, prompt_blocks
 from actors.metrics import Metrics
 from actors.served import Served, ServedStream
-from actors.token_channel import ChannelClient, ChannelLost, StaleChannel, request_items, settle
+from actors.token_channel import ChannelClient, ChannelLost, Handoff, StaleChannel, request_items
 from engine.async_engine import StreamItem
 from engine.model.loader import sampling_defaults
 from engine.model.tokenizer import TextTokenizer
@@ -59,7 +60,7 @@ class RayBackend:
         self.settings = settings
         self.router_cfg = None
         self.geometry = None
-        self.handoff = KVHandoff(self)
+        self.kv_handoff = KVHandoff(self)
         hc = settings.engine.hicache if settings is not None else None
         self.l3_backend = hc.l3.backend if hc is not None and hc.l3 is not None else None   # cache reports
         # Token channels, one per worker, opened on first use on the event loop that serves requests.
@@ -102,7 +103,7 @@ class RayBackend:
             await self._wait_alive(w)  # the only such worker failed this request: let it restart first
         yield served
         try:
-            async for item in self.handoff.run(ids, params, served.prefill, served.decode, whole):
+            async for item in self.kv_handoff.run(ids, params, served.prefill, served.decode, whole):
                 yield item
         except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
             raise WorkerFailed(str(e).splitlines()[0][:300],
@@ -199,26 +200,52 @@ class RayBackend:
                     raise ServiceUnavailable(f"worker {worker} did not come back in {timeout:.0f}s") from None
                 await asyncio.sleep(0.5)
 
-    # ---- the handoff's Workers protocol (actors/handoff.py): the actors' calls, bounded, errors mapped ----
-    async def prefill_to(self, prefill: str, ids: list[int], params: SamplingParams,
-                         res: Reservation) -> tuple[StreamItem, ReceiptRef]:
-        # One call: the prefill worker reserves on res.decode itself, during its prefill. The receipt stays
-        # a reference: for ray_object the decode worker reads the packed KV from the object store
-        # directly, never through this replica.
-        first_ref, receipt_ref = self.workers[prefill].prefill_to.remote(ids, params, res)
+    # ---- the handoff's Workers protocol (actors/handoff.py): over the token channels, bounded, errors mapped
+    async def handoff(self, prefill: str, ids: list[int], params: SamplingParams, res: Reservation,
+                      whole: bool = False) -> AsyncIterator[StreamItem]:
+        """One P/D request, with no Ray call from here: HANDOFF over the prefill worker's token channel,
+        which answers the first token there and hands the decode half to ``res.decode`` itself; that half's
+        items come over this replica's channel to the decode worker (opened first: the decode worker
+        sends only to a channel that said hello, StaleChannel otherwise). The prefill worker says DONE (or
+        the decode call's error) on its channel once that call is over: relayed into the decode half's
+        queue, as ``settle`` does for a call. Closing this early aborts it all (ABORT to the prefill worker,
+        which cancels the decode call). A worker whose channel drops is WorkerFailed (retried), but the
+        prefill worker's after the first token: the decode half goes on without it."""
+        dclient = await self._channel(res.decode)
+        pclient = await self._channel(prefill)
+        pkey, pq = pclient.open()
+        dkey, dq = dclient.open()
+        relay: asyncio.Future | None = None
+        finished, worker, client = False, prefill, pclient
         try:
-            return await asyncio.wait_for(first_ref, self.timeout), receipt_ref
-        except ray.exceptions.RayTaskError as e:
-            raise _unwrap(e) from None
-        except asyncio.TimeoutError:
-            raise ServiceUnavailable(f"prefill on {prefill} with kv transfer to {res.decode} timed out") from None
-
-    async def decode_leased(self, decode: str, ids: list[int], lease_id: str, receipt: ReceiptRef,
-                            params: SamplingParams, whole: bool = False) -> AsyncIterator[StreamItem]:
-        handle = self.workers[decode]
-        async for item in self._over_channel(
-                decode, lambda ch, key: handle.submit_leased.remote(ids, lease_id, receipt, params, ch, key, whole)):
-            yield item
+            pclient.handoff(pkey, Handoff(ids, params, whole, res, dclient.identity, dkey))
+            try:
+                first = await anext(request_items(pq, self.timeout, CHANNEL_GRACE_S))
+            except asyncio.TimeoutError:
+                raise ServiceUnavailable(f"prefill on {prefill} with kv transfer to {res.decode} timed out") from None
+            finished = first.finish_reason != "prefill"   # done at its first token: no decode half
+            yield first
+            if finished:
+                return
+            relay = asyncio.ensure_future(_relay(pq, dq))
+            worker, client = res.decode, dclient
+            async for item in request_items(dq, self.timeout, CHANNEL_GRACE_S):
+                finished = item.finished
+                yield item
+        except (ChannelLost, StaleChannel) as e:   # the worker's channel is not to be trusted: reopened
+            self._drop_channel(worker, client)
+            raise WorkerFailed(f"worker {worker}'s token channel: {e}", (worker,)) from None
+        except PeerFailed as e:
+            raise WorkerFailed(str(e), (e.worker,)) from None
+        except TransferError as e:
+            raise ServiceUnavailable(f"kv transfer failed: {e}") from None
+        finally:
+            if relay is not None:
+                relay.cancel()
+            pclient.release(pkey)
+            dclient.release(dkey)
+            if not finished:   # the client left, a timeout, a failure: nothing goes on computing for nobody
+                pclient.abort(pkey)
 
     def cancel(self, decode: str, lease_id: str) -> None:
         self.workers[decode].cancel.remote(lease_id)
@@ -245,36 +272,6 @@ class RayBackend:
                 client.abort(key)
 
     # ---- the token channel (actors/token_channel.py) --------------------------------------------------
-    async def _over_channel(self, worker: str, submit: Callable[[bytes, int], ray.ObjectRef]
-                            ) -> AsyncIterator[StreamItem]:
-        """One request on ``worker``: ``submit(channel, key)`` is its one Ray call, which returns once the
-        request is over (or fails: the worker died, the request was bad); its items arrive on the
-        channel meanwhile, the last one too. Closing this early cancels the call, which aborts the
-        request on the worker. A worker that restarted since the channel was opened says StaleChannel
-        before it runs anything: reconnected, submitted again, once."""
-        for attempt in (0, 1):
-            client = await self._channel(worker)
-            key, q = client.open()
-            ref = submit(client.identity, key)
-            asyncio.ensure_future(settle(ref, q))
-            finished = False
-            try:
-                async for item in request_items(q, self.timeout, CHANNEL_GRACE_S):
-                    finished = item.finished
-                    yield item
-                return
-            except ray.exceptions.RayTaskError as e:
-                if isinstance(e.cause, StaleChannel) and attempt == 0:
-                    self._drop_channel(worker, client)
-                    continue
-                raise _unwrap(e) from None
-            except ChannelLost as e:   # retried like a failed worker: the channel is not to be trusted
-                raise WorkerFailed(f"worker {worker}'s token channel: {e}", (worker,)) from None
-            finally:
-                client.release(key)
-                if not finished:   # the client left, a timeout (a no-op for a call that is over already)
-                    ray.cancel(ref)
-
     async def _channel(self, worker: str) -> ChannelClient:
         c = self._channels.get(worker)
         if c is not None and not c.closed:
@@ -488,6 +485,15 @@ CHANNEL_CONNECT_S = 10.0
 # Ray, and how long routes go over Ray after the endpoint could not be had.
 ROUTE_CHANNEL_TIMEOUT_S = 2.0
 ROUTE_CHANNEL_RETRY_S = 1.0
+
+
+async def _relay(pq: asyncio.Queue, dq: asyncio.Queue) -> None:
+    """A handed-off request's end as its prefill worker says it (RETURNED, or the decode call's error) into
+    the decode half's queue. The prefill worker's channel lost meanwhile says nothing about the decode half,
+    which goes on (its own channel's loss, and the per-item timeout, still end it)."""
+    x = await pq.get()
+    if not isinstance(x, ChannelLost):
+        dq.put_nowait(x)
 
 
 def _unwrap(e: Exception) -> Exception:

@@ -23,7 +23,7 @@ from ray.actor import ActorHandle
 
 from actors.ep_host import EPHost
 from actors.handoff import PeerFailed, Reservation, prefill_reserving
-from actors.token_channel import ChannelServer
+from actors.token_channel import ChannelServer, Handoff, Route, StaleChannel
 from engine import Engine, EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine, StreamItem
 from storage.kv_events import (KVEventPublisher, KVEventsConfig, KVEventsEndpoint, StreamPosition, TreeEventStream,
@@ -59,10 +59,13 @@ class WorkerActor:
         self.core = AsyncEngine(self.ep.engine if self.ep is not None else Engine(engine_cfg), worker_id)
         # The token channel (actors/token_channel.py), on this node's address as the KV events are: the
         # items of the ingress's requests go out on it, one message per step and ingress replica, and its
-        # requests to this worker alone come in on it (no Ray call: _channel_request); a P/D decode half
-        # comes as a Ray call (submit_leased, whose receipt is a Ray object).
+        # requests to this worker alone come in on it (no Ray call: _channel_request), and so do the P/D
+        # requests it prefills (_channel_handoff), whose decode half it hands to the decode worker as a Ray
+        # call (submit_leased, whose receipt is a Ray object).
         self.channel = ChannelServer(channel_host(kv_events), on_request=self._channel_request,
-                                     on_abort=self.core.abort_routed)
+                                     on_abort=self._channel_abort, on_handoff=self._channel_handoff)
+        self._loop: asyncio.AbstractEventLoop | None = None   # the actor's event loop (channel_endpoints)
+        self._handoffs: dict[Route, asyncio.Task] = {}         # P/D requests from the channel, by route
         self.core.on_step = self.channel.send_step
         self.router = router
         self.report_interval = report_interval
@@ -335,6 +338,10 @@ class WorkerActor:
         reservation's by default), told when the send is over so quarantined pages can go back. A decode
         worker that cannot be reached raises PeerFailed naming it; one that cannot lease raises its
         MemoryError / ValueError / TransferError."""
+        return await self._prefill_to(ids, params, dest, notify)
+
+    async def _prefill_to(self, ids: list[int], params: SamplingParams, dest: Destination | Reservation,
+                          notify: ActorHandle | str | None = None) -> tuple[StreamItem, Receipt | None]:
         reserving = isinstance(dest, Reservation)
         decode = dest.decode if reserving else dest.worker_id
         if isinstance(notify, str) or (notify is None and reserving):
@@ -457,7 +464,69 @@ class WorkerActor:
 
     async def channel_endpoints(self) -> tuple[str, str]:
         """(the token channel's address, where requests over it go): ChannelClient's two ends."""
+        self._loop = asyncio.get_running_loop()   # asked before any request comes over the channel
         return self.channel.endpoint, self.channel.requests_endpoint
+
+    def _channel_abort(self, route: Route) -> None:
+        """ABORT over the channel (its request thread): a request on this engine, or a handoff (its
+        prefill, or its decode call on the decode worker)."""
+        self.core.abort_routed(route)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._cancel_handoff, route)
+
+    def _cancel_handoff(self, route: Route) -> None:
+        task = self._handoffs.get(route)
+        if task is not None:
+            task.cancel()
+
+    def _channel_handoff(self, route: Route, h: Handoff) -> None:
+        """A P/D request over the channel (its request thread): run on the actor's event loop."""
+        if self._loop is None:   # cannot be: the client asked channel_endpoints before sending
+            self.channel.send_error(route, RuntimeError("handoff before channel_endpoints"))
+            return
+        self._loop.call_soon_threadsafe(self._start_handoff, route, h)
+
+    def _start_handoff(self, route: Route, h: Handoff) -> None:
+        task = self._handoffs[route] = asyncio.ensure_future(self._handoff(route, h))
+        task.add_done_callback(lambda _t: self._handoffs.pop(route, None))
+
+    async def _handoff(self, route: Route, h: Handoff) -> None:
+        """A P/D request from the ingress: prefill it, reserving ``h.res`` on its decode worker (prefill_to),
+        answer the first token on this channel, then hand the decode half to the decode worker, whose items
+        go straight to the ingress (``h.decode_channel``, ``h.decode_key``); DONE here once that call is over,
+        or its error (a decode worker that died: PeerFailed naming it). Cancelled (the client left): the
+        prefill stops, or the decode call is cancelled, which aborts the request there."""
+        if not isinstance(h.params, SamplingParams) or not isinstance(h.res, Reservation):
+            self.channel.send_error(route, ValueError("handoff: expected SamplingParams and a Reservation"))
+            return
+        try:
+            first, rec = await self._prefill_to(h.ids, h.params, h.res)
+        except asyncio.CancelledError:
+            return
+        except Exception as e:  # noqa: BLE001 - said to the ingress, which raises it
+            self.channel.send_error(route, e)
+            return
+        self.channel.send_step([(route, first)])
+        if rec is None or first.finish_reason != "prefill":   # done at its first token: no decode half
+            return
+        handle = self.peers[h.res.decode]   # looked up by prefill_to's reserve
+        ref = handle.submit_leased.remote(h.ids, h.res.lease_id, rec, h.params, h.decode_channel, h.decode_key,
+                                          h.whole)
+        try:
+            await ref
+        except asyncio.CancelledError:
+            ray.cancel(ref)   # aborts the request on the decode worker
+            return
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause
+            self.channel.send_error(route, cause if isinstance(cause, (ValueError, MemoryError, TransferError,
+                                                                        StaleChannel))
+                                    else RuntimeError(f"decode worker {h.res.decode}: {str(e).splitlines()[0]}"))
+        except ray.exceptions.RayError as e:   # the decode worker died (or is restarting)
+            self.channel.send_error(route, PeerFailed(f"decode worker {h.res.decode}: "
+                                                      f"{str(e).splitlines()[0][:300]}", h.res.decode))
+        else:
+            self.channel.send_done(route)
 
     def _channel_request(self, route, ids, params, whole: bool = False) -> None:
         """A request that came over the token channel (its request thread): straight to the engine thread,

@@ -11,28 +11,27 @@ from actors.handoff import KVHandoff, Reservation, prefill_reserving
 from engine.async_engine import PrefillResult, StreamItem
 from engine.sampling import SamplingParams
 from storage.transfer import Destination, TransferError
-from storage.transfer.base import Receipt
-
-
-# In process the Receipt itself is handed on (over Ray, a reference to it): passed as is, never read.
-RECEIPT = Receipt(prompt_len=3, first_token=7, swa_first_page=0, swa_valid_from=0, sender="prefill-0")
 
 
 class Recorder:
+    """The Workers protocol in memory: the prefill worker's first item, then the decode worker's."""
+
     def __init__(self, first_reason="prefill", fail_prefill=False, n=3):
         self.calls, self.first_reason, self.fail_prefill, self.n = [], first_reason, fail_prefill, n
 
-    async def prefill_to(self, prefill, ids, params, res):
-        self.calls.append(("prefill_to", prefill, res))
-        if self.fail_prefill:
-            raise RuntimeError("prefill died")
-        return StreamItem("r", [7], finished=True, finish_reason=self.first_reason, cached_tokens=16,
-                          cached_tokens_by_tier={"L1": 16, "L2": 0, "L3": 0}), RECEIPT
-
-    async def decode_leased(self, decode, ids, lease_id, receipt, params, whole=False):
-        self.calls.append(("decode_leased", decode, lease_id, receipt))
-        for i in range(self.n):
-            yield StreamItem("r", [8 + i], finished=i == self.n - 1, finish_reason="length" if i == self.n - 1 else None)
+    async def handoff(self, prefill, ids, params, res, whole=False):
+        self.calls.append(("handoff", prefill, res))
+        try:
+            if self.fail_prefill:
+                raise RuntimeError("prefill died")
+            yield StreamItem("r", [7], finished=True, finish_reason=self.first_reason, cached_tokens=16,
+                             cached_tokens_by_tier={"L1": 16, "L2": 0, "L3": 0})
+            self.calls.append(("decode", res.decode, res.lease_id))
+            for i in range(self.n):
+                yield StreamItem("r", [8 + i], finished=i == self.n - 1,
+                                 finish_reason="length" if i == self.n - 1 else None)
+        finally:
+            self.calls.append(("closed",))
 
     def cancel(self, decode, lease_id):
         self.calls.append(("cancel", decode, lease_id))
@@ -52,12 +51,13 @@ SP = SamplingParams(max_new_tokens=4)
 def test_a_handoff_names_the_lease_sends_commits_and_never_cancels_a_committed_lease():
     w = Recorder()
     items = asyncio.run(_all(KVHandoff(w).run([1, 2, 3], SP, "prefill-0", "decode-0")))
-    assert [c[0] for c in w.calls] == ["prefill_to", "decode_leased"]   # one call before the first token
+    assert [c[0] for c in w.calls] == ["handoff", "decode", "closed"]   # one request, no cancel
     res = w.calls[0][2]
     assert isinstance(res, Reservation) and res.decode == "decode-0" and res.prompt_len == 3
-    assert res.lease_id.startswith("decode-0/") and w.calls[1][2] == res.lease_id
-    assert w.calls[1][3] is RECEIPT and [i.token_ids for i in items] == [[7], [8], [9], [10]]
-    assert not items[0].finished and items[-1].finished and items[-1].cached_tokens == 16
+    assert res.lease_id.startswith("decode-0/") and w.calls[1][1:] == ("decode-0", res.lease_id)
+    assert [i.token_ids for i in items] == [[7], [8], [9], [10]]
+    assert not items[0].finished and items[0].finish_reason is None
+    assert items[-1].finished and items[-1].cached_tokens == 16
     assert items[-1].cached_tokens_by_tier == {"L1": 16, "L2": 0, "L3": 0}
 
 
@@ -76,9 +76,25 @@ def test_every_path_that_does_not_commit_cancels_the_lease(case):
         with pytest.raises(RuntimeError):
             asyncio.run(go())
     else:
-        asyncio.run(go())
+        items = asyncio.run(go())
+        if case == "done at first token":
+            assert [i.token_ids for i in items] == [[7]] and items[0].finished and items[0].finish_reason == "stop"
     lease_id = w.calls[0][2].lease_id
-    assert w.calls[-1] == ("cancel", "decode-0", lease_id) and "decode_leased" not in [c[0] for c in w.calls]
+    # the workers' part is closed (a client that left aborts it) before the lease is cancelled
+    assert w.calls[-2:] == [("closed",), ("cancel", "decode-0", lease_id)]
+    assert "decode" not in [c[0] for c in w.calls]
+
+
+def test_a_client_that_leaves_during_the_decode_closes_the_handoff_and_keeps_the_committed_lease():
+    w = Recorder(n=5)
+
+    async def go():
+        gen = KVHandoff(w).run([1, 2, 3], SP, "prefill-0", "decode-0")
+        got = [await gen.__anext__() for _ in range(3)]
+        await gen.aclose()
+        return got
+    assert [i.token_ids for i in asyncio.run(go())] == [[7], [8], [9]]
+    assert [c[0] for c in w.calls] == ["handoff", "decode", "closed"]
 
 
 def test_each_handoff_names_its_own_lease():

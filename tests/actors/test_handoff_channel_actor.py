@@ -1,0 +1,130 @@
+"""A P/D request over the token channels against a real prefill and a real decode worker on a local Ray
+cluster (actors/ingress.RayBackend's ``handoff``, driven by KVHandoff, without Serve or a router): one
+HANDOFF to the prefill worker, no Ray call from the ingress; the first token from the prefill worker's
+channel, the rest from the decode worker's, equal to the engine's; a client that leaves mid-decode stops
+the decode worker's request (the prefill worker cancels its call) and no lease stays; a decode worker that
+dies mid-stream fails the request as that worker's (WorkerFailed naming it), and bad input is a
+ValueError."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from cluster import launch  # sets the Ray environment (loopback, no token auth) on import
+from engine import Engine, EngineConfig, SamplingParams
+from engine.model.loader import resolve_model_path
+
+ray = pytest.importorskip("ray")
+from actors.frontend import WorkerFailed  # noqa: E402
+from actors.handoff import KVHandoff  # noqa: E402
+
+SP = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from actors.ingress import RayBackend
+    from actors.worker import WorkerActor, actor_name
+    launch.start_local_ray(num_cpus=2)
+    path = str(resolve_model_path("strata-tiny"))
+    cfg = EngineConfig(model=path, page_size=16, num_pages=256, torch_threads=1)
+    workers = {w: WorkerActor.options(name=actor_name(w), num_cpus=0.5).remote(w, role, cfg, None)
+               for w, role in (("p0", "prefill"), ("d0", "decode"))}
+    ray.get([h.start.remote() for h in workers.values()], timeout=180)
+    b = RayBackend(None, workers, "strata-tiny", path, 256, 8192, request_timeout=60.0)
+    yield b, path
+    b.close_channels()
+    ray.shutdown()
+
+
+async def _collect(gen):
+    return [i async for i in gen]
+
+
+def _lease_stats(b):
+    return ray.get(b.workers["d0"].transfer_stats.remote(), timeout=30).leases
+
+
+def _leases(b) -> int:
+    return _lease_stats(b).live
+
+
+def _wait_idle(b, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while ray.get(b.workers["d0"].load.remote(), timeout=30)["running"] or _leases(b):
+        assert time.monotonic() < deadline, "the decode worker still holds the abandoned request or its lease"
+        time.sleep(0.02)
+
+
+@pytest.mark.numerics
+def test_a_handed_off_request_equals_the_engine(backend):
+    b, path = backend
+    prompts = [[5, 6, 7], list(range(40)), [9] * 20]
+    want = Engine.from_pretrained(path, page_size=16, num_pages=256).generate(prompts, SP)
+    before = _lease_stats(b)
+
+    async def main():   # concurrently, and each both ways: streamed and whole
+        runs = [_collect(KVHandoff(b).run(p, SP, "p0", "d0", whole)) for p in prompts for whole in (False, True)]
+        return await asyncio.gather(*runs)
+    got = asyncio.run(main())
+    for n, items in enumerate(got):
+        w = want[n // 2]
+        assert [t for i in items for t in i.token_ids] == w.token_ids
+        assert [i.finished for i in items] == [False] * (len(items) - 1) + [True]
+        assert items[-1].finish_reason == "length" and items[-1].prompt_tokens == w.prompt_tokens
+        assert [lp.token_id for i in items for lp in i.logprobs] == w.token_ids
+    assert len(got[0]) == 12 and len(got[1]) == 2   # streamed: one item per step; whole: the first, then merged
+    _wait_idle(b)
+    after = _lease_stats(b)   # each request leased its pages once and committed them: none cancelled
+    assert (after.reserved - before.reserved, after.committed - before.committed) == (6, 6)
+    assert after.cancelled == before.cancelled
+
+
+def test_a_client_that_leaves_mid_decode_stops_it_on_the_decode_worker(backend):
+    b, _ = backend
+
+    async def main():
+        gen = KVHandoff(b).run([1, 2, 3], SamplingParams(max_new_tokens=3000, ignore_eos=True), "p0", "d0")
+        for _ in range(4):
+            await gen.__anext__()
+        assert ray.get(b.workers["d0"].load.remote(), timeout=30)["running"] == 1
+        await gen.aclose()        # what a client that leaves does to its stream
+    asyncio.run(main())
+    _wait_idle(b)
+
+
+def test_bad_input_is_a_value_error_and_leaves_no_lease(backend):
+    b, _ = backend
+    with pytest.raises(ValueError, match="prompt"):
+        asyncio.run(_collect(KVHandoff(b).run([1, 99999], SP, "p0", "d0")))
+    _wait_idle(b)
+
+
+def test_a_decode_worker_killed_mid_stream_fails_it_as_that_workers_failure(backend):
+    b, _ = backend
+    d = b.workers["d0"]
+
+    async def stream():
+        gen = KVHandoff(b).run([4, 5, 6], SamplingParams(max_new_tokens=3000, ignore_eos=True), "p0", "d0")
+        for _ in range(3):
+            await gen.__anext__()
+        ray.kill(d, no_restart=False)
+        async for _ in gen:
+            pass
+    t = time.monotonic()
+    with pytest.raises(WorkerFailed) as e:
+        asyncio.run(stream())
+    assert e.value.workers == ("d0",) and time.monotonic() - t < 30
+    deadline = time.monotonic() + 120
+    while True:    # back: a new process, a new channel
+        try:
+            ray.get(d.start.remote(), timeout=60)
+            break
+        except ray.exceptions.RayActorError:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+    items = asyncio.run(_collect(KVHandoff(b).run([4, 5, 6], SamplingParams(max_new_tokens=4, ignore_eos=True),
+                                                  "p0", "d0")))
+    assert sum(len(i.token_ids) for i in items) == 4 and items[-1].finished
