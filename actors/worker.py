@@ -549,12 +549,20 @@ class WorkerActor:
 
     async def submit_leased(self, ids: list[int], lease_id: str, receipt: Receipt | None, params: SamplingParams,
                             channel: bytes, key: int, whole: bool = False) -> None:
-        """``decode_leased`` whose items go over the token channel, as ``submit``'s do (``whole``: merged)."""
+        """``decode_leased`` whose items go over the token channel, as ``submit``'s do (``whole``: merged).
+        Cancelled before its end, it says so on the channel: a client that left has let go of the key (the
+        message is dropped), but a caller that died (a handoff's prefill worker) would leave the ingress
+        waiting for items that never come."""
         route = self.channel.route(channel, key)
-        await self._await_arrival(lease_id, receipt)
-        async for _last in self.core.decode_leased(ids, lease_id, receipt, params, time.monotonic(), self.transfer,
-                                                   route=route, whole=whole):
-            pass
+        try:
+            await self._await_arrival(lease_id, receipt)
+            async for _last in self.core.decode_leased(ids, lease_id, receipt, params, time.monotonic(),
+                                                       self.transfer, route=route, whole=whole):
+                pass
+        except asyncio.CancelledError:
+            self.channel.send_error(route, RuntimeError(f"decode worker {self.worker_id}: the request was "
+                                                        f"cancelled by its caller"))
+            raise
 
     # ---- operations ------------------------------------------------------------------------------
     async def load(self) -> dict:

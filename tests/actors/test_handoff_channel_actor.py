@@ -3,8 +3,8 @@ cluster (actors/ingress.RayBackend's ``handoff``, driven by KVHandoff, without S
 HANDOFF to the prefill worker, no Ray call from the ingress; the first token from the prefill worker's
 channel, the rest from the decode worker's, equal to the engine's; a client that leaves mid-decode stops
 the decode worker's request (the prefill worker cancels its call) and no lease stays; a decode worker that
-dies mid-stream fails the request as that worker's (WorkerFailed naming it), and bad input is a
-ValueError."""
+dies mid-stream fails the request as that worker's (WorkerFailed naming it), a prefill worker that dies
+mid-decode does not, and bad input is a ValueError."""
 from __future__ import annotations
 
 import asyncio
@@ -125,6 +125,39 @@ def test_a_decode_worker_killed_mid_stream_fails_it_as_that_workers_failure(back
         except ray.exceptions.RayActorError:
             assert time.monotonic() < deadline
             time.sleep(0.5)
+    items = asyncio.run(_collect(KVHandoff(b).run([4, 5, 6], SamplingParams(max_new_tokens=4, ignore_eos=True),
+                                                  "p0", "d0")))
+    assert sum(len(i.token_ids) for i in items) == 4 and items[-1].finished
+
+
+def test_a_prefill_worker_killed_mid_decode_does_not_stop_the_decode_half(backend):
+    """After the first token the decode half is the decode worker's: the prefill worker (the caller of its
+    Ray call, whose channel drops) dying then neither fails nor holds up the request."""
+    b, path = backend
+    p = b.workers["p0"]
+    sp = SamplingParams(max_new_tokens=400, ignore_eos=True)
+    want = Engine.from_pretrained(path, page_size=16, num_pages=256).generate([[7, 8, 9]], sp)[0].token_ids
+    got: list[int] = []
+
+    async def stream():
+        gen = KVHandoff(b).run([7, 8, 9], sp, "p0", "d0")
+        for _ in range(3):
+            got.extend((await gen.__anext__()).token_ids)
+        ray.kill(p, no_restart=False)
+        async for item in gen:
+            got.extend(item.token_ids)
+    t = time.monotonic()
+    asyncio.run(stream())   # Ray does not cancel a running actor task whose caller died: it goes on
+    assert time.monotonic() - t < 30 and got == want
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            ray.get(p.start.remote(), timeout=60)
+            break
+        except ray.exceptions.RayActorError:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+    _wait_idle(b, 10.0)
     items = asyncio.run(_collect(KVHandoff(b).run([4, 5, 6], SamplingParams(max_new_tokens=4, ignore_eos=True),
                                                   "p0", "d0")))
     assert sum(len(i.token_ids) for i in items) == 4 and items[-1].finished
