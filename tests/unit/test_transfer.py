@@ -312,3 +312,34 @@ def test_cluster_yaml_maps_the_transfer_section():
         from_text("transfer:\n  bakend: nixl\n")
     with pytest.raises(ValueError, match="backend"):
         from_text("transfer:\n  backend: carrier-pigeon\n")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_payload_pickles_its_kv_out_of_band_and_bit_exact(dtype):
+    """The ray_object payload crosses Ray pickled: its KV as raw byte arrays that pickle protocol 5 hands
+    out of band (Ray's zero-copy path), read back bit for bit, also from read-only buffers (the object
+    store's) without a warning."""
+    import pickle
+    import warnings
+    import numpy as np
+    from storage.transfer.base import KVPayload
+    g = torch.Generator().manual_seed(3)
+    p = KVPayload(33, 7, 16, torch.randn(4, 3, 256, generator=g).to(dtype), torch.empty(2, 0, 256, dtype=dtype),
+                  2, 32)
+    bufs: list = []
+    data = pickle.dumps(p, protocol=5, buffer_callback=bufs.append)
+    assert len(bufs) == 2 and len(data) < 1024   # the KV is not in the pickle stream
+
+    def readonly(b):
+        a = np.frombuffer(b.raw(), dtype=np.uint8)
+        a.flags.writeable = False
+        return a
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q = pickle.loads(data, buffers=[readonly(b) for b in bufs])
+    assert (q.prompt_len, q.first_token, q.page_size, q.swa_first_page, q.swa_valid_from) == (33, 7, 16, 2, 32)
+    for a, b in ((q.full, p.full), (q.swa, p.swa)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    r = pickle.loads(pickle.dumps(p))   # in band (protocol < 5): the same
+    assert torch.equal(r.full.view(torch.uint8), p.full.view(torch.uint8)) and r.swa.shape == p.swa.shape
