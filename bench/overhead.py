@@ -41,8 +41,7 @@ What #37 changed, and what is left (after; README "Serving overhead" has both ta
   ~1.3 -> ~0.5 ms.
 - A request served by one worker goes to it over its token channel (ChannelClient.submit: PUSH -> the
   worker's PULL -> the engine thread), no Ray call: a dead worker is seen by the channel's connection
-  dropping (or its heartbeats stopping). The decode half of P/D stays a Ray call (its receipt is a Ray
-  object).
+  dropping (or its heartbeats stopping). (P/D: session 20, below.)
 - P/D: the prefill worker has the decode worker reserve the pages during its own prefill (the ingress names
   the lease: actors/handoff.py), one round trip off the TTFT path.
 - A trace of one colocated request (1 new token, cached 512-token prompt) before these three: client ->
@@ -76,8 +75,18 @@ What #37 changed, and what is left (after; README "Serving overhead" has both ta
   other process: its steps take ~7% more CPU than the engine's alone (1.40 against 1.32 ms for one decode
   row, measured inside the worker), its first step of a cached prompt ~0.6 ms more. Short requests: ~9 ms
   of CPU each (workers ~5.4 with the engine's ~2.5, ingress 1.5, the load generator 1.2), ~165-195 req/s.
-- Left, 1P+1D: the workers' ~17-21 ms of CPU per short request (two engines, prefill_to + the ray_object KV
-  payload, write-through to L2 and the file L3).
+- Session 20, P/D over the token channels: the ingress sends one HANDOFF to the prefill worker's channel
+  (no Ray call from the ingress), the prefill worker answers the first token there and hands the decode
+  half to the decode worker itself (its Ray call carries the receipt), whose items come over its own
+  channel. The handed-off request's first chunk no longer waits for prefill_to's Ray return and the
+  decode no longer starts after a round trip through the ingress. py-spy (``--profile --configs 1p1d``)
+  then showed Ray pickling the ray_object payload's tensors through torch's storage serialisation on both
+  workers (~14% of their CPU); the payload now pickles its KV as raw byte arrays (out of band under pickle
+  5): the workers' CPU per short request 13.0 -> 10.3 ms in the profile's run.
+- Left, 1P+1D: the workers' ~9-11 ms of CPU per short request: two engines (each with its own write-through
+  of the prompt's pages to L2 and the file L3), and two Ray calls worker to worker (reserve,
+  submit_leased: ~0.6 ms of the prefill worker's event loop and ~1 ms of the decode worker's Ray threads
+  per request).
 - A slow reader (4 KB socket buffer, 3 s late, ~1 MB of SSE) does not hold others back: its output is
   buffered per client and the others' latency matches the prompt-reader case.
 """
