@@ -467,3 +467,56 @@ def test_a_worker_that_goes_away_fails_every_open_request_of_its_channel(core):
         c.close()
         ctx.term()
     asyncio.run(main())
+
+
+# ---- a P/D request over the channel (HANDOFF): its wire, no Ray ------------------------------------
+
+def test_a_handoff_reaches_its_handler_and_its_end_and_errors_come_back_as_theirs():
+    """HANDOFF carries the request, the lease and where the decode half's items go; the prefill worker's
+    DONE is the call's return (RETURNED) and its errors keep their kind: a PeerFailed the worker it names
+    (the ingress retries away from it), StaleChannel, TransferError; an unreadable HANDOFF is refused."""
+    from actors.handoff import PeerFailed, Reservation
+    from actors.token_channel import Handoff
+    from storage.transfer import TransferError
+    got: list = []
+    answers = {0: "done", 1: PeerFailed("decode worker d0: the actor died", "d0"), 2: StaleChannel("restarted"),
+               3: TransferError("the lease's time was used up"), 4: KeyError("odd")}
+    s = None
+
+    def on_handoff(route, h):
+        got.append((route.key, h))
+        a = answers[route.key]
+        s.send_step([(route, StreamItem("r", [7], True, "prefill"))])
+        s.send_done(route) if a == "done" else s.send_error(route, a)
+    s = ChannelServer("127.0.0.1", on_request=lambda *a: None, on_abort=lambda r: None, on_handoff=on_handoff)
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        c = await _requester(s, ctx)
+        res = Reservation.new("d0", 3)
+        out = []
+        for k in range(5):
+            key, q = c.open()
+            c.handoff(key, Handoff([1, 2, 3], SamplingParams(max_new_tokens=4), False, res, b"ingress", 40 + k))
+            first = await asyncio.wait_for(q.get(), 5)
+            assert first.token_ids == [7] and first.finish_reason == "prefill"
+            out.append(await asyncio.wait_for(q.get(), 5))
+        key, q = c.open()
+        c._push.send_multipart((b"D", c.identity, key.to_bytes(8, "little"), b"not a pickle"))
+        out.append(await asyncio.wait_for(q.get(), 5))
+        c.close()
+        ctx.term()
+        return out, res
+    try:
+        (done, peer, stale, transfer, other, unreadable), res = asyncio.run(main())
+    finally:
+        s.close()
+    assert done is RETURNED
+    assert isinstance(peer, PeerFailed) and peer.worker == "d0" and "died" in str(peer)
+    assert isinstance(stale, StaleChannel) and isinstance(transfer, TransferError)
+    assert type(other) is RuntimeError and "odd" in str(other)
+    assert isinstance(unreadable, ValueError) and "cannot be read" in str(unreadable)
+    assert [k for k, _ in got] == [0, 1, 2, 3, 4]
+    h = got[0][1]
+    assert (h.ids, h.res, h.decode_channel, h.decode_key, h.whole) == ([1, 2, 3], res, b"ingress", 40, False)
+    assert h.params == SamplingParams(max_new_tokens=4)
