@@ -51,6 +51,22 @@ def _leases(b) -> int:
     return _lease_stats(b).live
 
 
+def _back_and_serving(b, handle) -> None:
+    """``handle``'s worker, restarted (a new process, a new channel), serves the next handoff."""
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            ray.get(handle.start.remote(), timeout=60)
+            break
+        except ray.exceptions.RayActorError:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+    _wait_idle(b, 10.0)
+    items = asyncio.run(_collect(KVHandoff(b).run([4, 5, 6], SamplingParams(max_new_tokens=4, ignore_eos=True),
+                                                  "p0", "d0")))
+    assert sum(len(i.token_ids) for i in items) == 4 and items[-1].finished
+
+
 def _wait_idle(b, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while ray.get(b.workers["d0"].load.remote(), timeout=30)["running"] or _leases(b):
@@ -117,17 +133,7 @@ def test_a_decode_worker_killed_mid_stream_fails_it_as_that_workers_failure(back
     with pytest.raises(WorkerFailed) as e:
         asyncio.run(stream())
     assert e.value.workers == ("d0",) and time.monotonic() - t < 30
-    deadline = time.monotonic() + 120
-    while True:    # back: a new process, a new channel
-        try:
-            ray.get(d.start.remote(), timeout=60)
-            break
-        except ray.exceptions.RayActorError:
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
-    items = asyncio.run(_collect(KVHandoff(b).run([4, 5, 6], SamplingParams(max_new_tokens=4, ignore_eos=True),
-                                                  "p0", "d0")))
-    assert sum(len(i.token_ids) for i in items) == 4 and items[-1].finished
+    _back_and_serving(b, d)
 
 
 def test_a_prefill_worker_killed_mid_decode_does_not_stop_the_decode_half(backend):
@@ -149,15 +155,4 @@ def test_a_prefill_worker_killed_mid_decode_does_not_stop_the_decode_half(backen
     t = time.monotonic()
     asyncio.run(stream())   # Ray does not cancel a running actor task whose caller died: it goes on
     assert time.monotonic() - t < 30 and got == want
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            ray.get(p.start.remote(), timeout=60)
-            break
-        except ray.exceptions.RayActorError:
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
-    _wait_idle(b, 10.0)
-    items = asyncio.run(_collect(KVHandoff(b).run([4, 5, 6], SamplingParams(max_new_tokens=4, ignore_eos=True),
-                                                  "p0", "d0")))
-    assert sum(len(i.token_ids) for i in items) == 4 and items[-1].finished
+    _back_and_serving(b, p)
