@@ -509,7 +509,11 @@ class WorkerActor:
         self.channel.send_step([(route, first)])
         if rec is None or first.finish_reason != "prefill":   # done at its first token: no decode half
             return
-        handle = self.peers[h.res.decode]   # looked up by prefill_to's reserve
+        decode = h.res.decode
+        handle = self.peers.get(decode)   # looked up by prefill_to's reserve (gone only if it died since)
+        if handle is None:
+            self.channel.send_error(route, PeerFailed(f"decode worker {decode} is gone", decode))
+            return
         ref = handle.submit_leased.remote(h.ids, h.res.lease_id, rec, h.params, h.decode_channel, h.decode_key,
                                           h.whole)
         try:
@@ -521,10 +525,12 @@ class WorkerActor:
             cause = e.cause
             self.channel.send_error(route, cause if isinstance(cause, (ValueError, MemoryError, TransferError,
                                                                         StaleChannel))
-                                    else RuntimeError(f"decode worker {h.res.decode}: {str(e).splitlines()[0]}"))
+                                    else RuntimeError(f"decode worker {decode}: {str(e).splitlines()[0]}"))
         except ray.exceptions.RayError as e:   # the decode worker died (or is restarting)
-            self.channel.send_error(route, PeerFailed(f"decode worker {h.res.decode}: "
-                                                      f"{str(e).splitlines()[0][:300]}", h.res.decode))
+            self.channel.send_error(route, PeerFailed(f"decode worker {decode}: {str(e).splitlines()[0][:300]}",
+                                                      decode))
+        except Exception as e:  # noqa: BLE001 - whatever it is, the ingress hears it rather than waits
+            self.channel.send_error(route, RuntimeError(f"decode worker {decode}: {e!r}"))
         else:
             self.channel.send_done(route)
 
