@@ -13,8 +13,10 @@ from storage.pools import KVPools
 from storage.transfer.base import KVPayload, LeasedPages, Receipt
 
 
-def export_kv(req: Request, pools: KVPools, geom: KVGeometry) -> KVPayload:
-    """Copy a request's prompt KV out of the pools (call before its pages are released)."""
+def export_kv(req: Request, pools: KVPools, geom: KVGeometry, offloads_to: str = "") -> KVPayload:
+    """Copy a request's prompt KV out of the pools (call before its pages are released). ``offloads_to``:
+    the L3 store this engine's cache writes the prompt's whole pages through to, once it inserts them
+    (HiCache.offloads_to; "" none)."""
     ps, window = geom.page_size, geom.window
     n = req.num_computed
     t = req.pages
@@ -30,7 +32,8 @@ def export_kv(req: Request, pools: KVPools, geom: KVGeometry) -> KVPayload:
         raise RuntimeError(f"{req.rid}: SWA pages of the last window are missing")
     swa_idx = torch.tensor([t.swa[a] for a in swa_logical], dtype=torch.long, device=pools.swa.kv.device)
     swa = pools.swa.flat().index_select(1, swa_idx).cpu() if swa_logical else torch.empty(0)
-    return KVPayload(n, req.output_ids[0], ps, full, swa, first, max(t.swa_valid_from, first * ps))
+    return KVPayload(n, req.output_ids[0], ps, full, swa, first, max(t.swa_valid_from, first * ps),
+                     n // ps if offloads_to else 0, offloads_to)
 
 
 def admit_leased(req: Request, pages: LeasedPages, rec: Receipt, kv: KVManager) -> None:
@@ -53,7 +56,15 @@ def admit_leased(req: Request, pages: LeasedPages, rec: Receipt, kv: KVManager) 
                              f"({len(pages.swa)} pages from {pages.swa_first_page})")
         if rec.swa_valid_from > geom.swa_lo(n):
             raise ValueError(f"kv transfer: swa data starts at {rec.swa_valid_from}, after the window")
+    if not isinstance(rec.offloaded_pages, int) or not 0 <= rec.offloaded_pages <= n // geom.page_size:
+        raise ValueError(f"kv transfer: offloaded_pages {rec.offloaded_pages!r} outside [0, {n // geom.page_size}]")
+    if not isinstance(rec.offloaded_to, str):
+        raise ValueError(f"kv transfer: offloaded_to must be a store's location (str), got {rec.offloaded_to!r}")
     kv.import_leased(req, pages, first, rec.swa_valid_from)
+    # The sender writes the prompt through to L3; where that is this cache's store too, this side's offload
+    # of the finished sequence skips those pages (its own copy would be the same bytes under the same keys).
+    same = rec.offloaded_to != "" and rec.offloaded_to == kv.cache.offloads_to
+    req.offloaded_pages = rec.offloaded_pages if same else 0
     req.num_computed = n
     req.output_ids = [rec.first_token]
     req.status = Status.RUNNING

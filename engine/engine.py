@@ -205,6 +205,10 @@ class Engine:
         reason = self._stop_reason(req, rec.first_token)
         if reason is not None:
             self._finish(req, reason)
+        else:
+            # The prompt is whole, as after a local prefill's first token: cache it now, so that its pages
+            # are one node of the tree and the offload at finish can skip them (Request.offloaded_pages).
+            self.kv.commit(req)
         return req.rid
 
     def _new_request(self, prompt: Prompt, params: SamplingParams | None, rid: str | None) -> Request:
@@ -320,7 +324,7 @@ class Engine:
             reason = self._stop_reason(req, tok)
             if req.prefill_only and len(req.output_ids) == 1 and reason is None:
                 # Only a request that goes on elsewhere exports: one its first token ended hands nothing on.
-                req.kv_payload = export_kv(req, self.pools, self.geometry)
+                req.kv_payload = export_kv(req, self.pools, self.geometry, self.cache.offloads_to)
                 reason = "prefill"
             if reason is not None:
                 self._finish(req, reason)

@@ -318,7 +318,7 @@ class KVManager:
         t.whole_below.difference_update(range(upto))
         if finished:
             dup_full, dup_swa = self.cache.insert(req.tokens(0, n * ps), t.full[:n], swa, self.clock(), keys,
-                                                  checkpoints=marks, boundaries=ends)
+                                                  checkpoints=marks, boundaries=ends, offloaded=req.offloaded_pages)
             dup_full = dup_full + t.full[max(n, t.num_shared_full):]
             dup_swa = dup_swa + [p for a, p in enumerate(t.swa)
                         if p is not None and a not in t.shared_swa and (a >= n or swa[a] is None)]
@@ -327,7 +327,8 @@ class KVManager:
         else:
             hit, dup_full, dup_swa = self.cache.insert_and_hold(req.tokens(0, n * ps), t.full[:n], swa,
                                                                 self.clock(), keys, keep_end=keep_end,
-                                                                checkpoints=marks, boundaries=ends)
+                                                                checkpoints=marks, boundaries=ends,
+                                                                offloaded=req.offloaded_pages)
             t.full[:n] = hit.full_pages
             t.num_shared_full = n
             for a, p in enumerate(swa):

@@ -38,6 +38,7 @@ class Request:
     logits: list[torch.Tensor] = field(default_factory=list)
     prefill_only: bool = False            # stop after the first token and export the prompt KV
     kv_payload: KVPayload | None = None   # the export of a prefill_only request (AsyncEngine.prefill's payload)
+    offloaded_pages: int = 0              # leading prompt pages its prefill worker offloads (KVPayload)
     generator: torch.Generator | None = None
     matcher: Any = None                   # engine/grammar.py Matcher of a structured-output request
     logprobs: list = field(default_factory=list)          # TokenLogprob per output token, if asked

@@ -90,6 +90,12 @@ class HiCache:
         return self._l2.pools if self._l2.present else None
 
     @property
+    def offloads_to(self) -> str:
+        """The L3 store (``L3Store.location``) every sequence inserted is written through to, or "" (not
+        write_through, no L3, or a store that cannot name itself)."""
+        return self._l3.store.location if self._write.offloads_inserts and self._l3.present else ""
+
+    @property
     def l3(self) -> Optional[L3Tier]:
         """The L3 tier (store, stats, prefetcher), or None without L3."""
         return self._l3 if self._l3.present else None
@@ -280,11 +286,13 @@ class HiCache:
     # ---- insert ------------------------------------------------------------------------------------
     def insert(self, tokens: Sequence[int], full_pages: Sequence[int], swa_pages: Sequence[Optional[int]],
                now: float, keys: Optional[SequenceKeys] = None, keep_end: bool = True,
-               checkpoints: Sequence[int] = (), boundaries: Sequence[int] = ()) -> tuple[list[int], list[int]]:
+               checkpoints: Sequence[int] = (), boundaries: Sequence[int] = (),
+               offloaded: int = 0) -> tuple[list[int], list[int]]:
         """Hand a finished sequence's whole pages to the tree. Returns (full, swa) L1 pages the caller
         still owns and must free (duplicates of pages the tree already had). ``keys``: the request's
         ``PrefixHit.keys``, so what its match already knows is not hashed again. ``keep_end``,
-        ``checkpoints`` and ``boundaries``: the windows the tree keeps (RadixTree.insert)."""
+        ``checkpoints`` and ``boundaries``: the windows the tree keeps (RadixTree.insert). ``offloaded``:
+        leading pages another worker's cache offloads to L3 (WritePolicy.inserted)."""
         n = len(full_pages)
         if n == 0:
             return [], []
@@ -292,14 +300,14 @@ class HiCache:
         keys = keys.extended(tokens, n) if keys is not None else self.tree.sequence_keys(tokens, n)
         res = self.tree.insert(keys, full_pages, swa, now=now, keep_end=keep_end, checkpoints=checkpoints,
                                boundaries=boundaries)
-        self._write.inserted(res.node)
+        self._write.inserted(res.node, offloaded)
         return res.free_full, res.free_swa
 
     def insert_and_hold(self, tokens: Sequence[int], full_pages: Sequence[int],
                         swa_pages: Sequence[Optional[int]], now: float,
                         keys: Optional[SequenceKeys] = None, keep_end: bool = True,
-                        checkpoints: Sequence[int] = (),
-                        boundaries: Sequence[int] = ()) -> tuple[PrefixHit, list[int], list[int]]:
+                        checkpoints: Sequence[int] = (), boundaries: Sequence[int] = (),
+                        offloaded: int = 0) -> tuple[PrefixHit, list[int], list[int]]:
         """``insert`` for a request that keeps running on these pages (a prompt just prefilled): the
         inserted sequence comes back locked as a hit whose ``full_pages`` / ``swa_pages`` (the last
         window) are the tree's pages the request must read from now on, with the request's duplicates
@@ -313,7 +321,7 @@ class HiCache:
         hit = PrefixHit(node=res.node, num_pages=n, keys=keys)
         self._lock(hit)
         gather_l1(hit, res.node.path(), n, self.tree.window_pages)   # an insert leaves its whole path in L1
-        self._write.inserted(res.node)
+        self._write.inserted(res.node, offloaded)
         return hit, res.free_full, res.free_swa
 
     # ---- L1 room and background work ---------------------------------------------------------------

@@ -22,6 +22,7 @@ class NoCache:
     keeps_pages = False
     """Whether requests' pages may be committed to it (HiCache: True). Read at construction only."""
     l3 = None     # no L3 tier (HiCache.l3)
+    offloads_to = ""   # nothing is inserted, so nothing reaches L3 (HiCache.offloads_to)
     host = None   # no L2 host pools (HiCache.host)
 
     def __init__(self) -> None:

@@ -6,6 +6,10 @@
 
 L2 -> L3 follows once the L2 copy is complete, whatever the policy. ``NoWrite`` is the policy of a
 cache without L2.
+
+``offloaded``: the leading pages of an inserted sequence that another worker's cache already offloads to
+L3 (P/D: the prefill worker writes a prompt through before the decode worker inserts prompt + output).
+Write-through leaves the nodes wholly inside them alone, so the decode side moves only what it computed.
 """
 from __future__ import annotations
 
@@ -31,16 +35,22 @@ class WritePolicy:
             for c in self.components:
                 self.backup(nd, c)
 
-    def inserted(self, node: Node) -> None:
-        """The path from the root to ``node`` just entered the tree or was extended."""
+    offloads_inserts = False   # whether ``inserted`` puts every inserted page in L3 (given an L3)
+
+    def inserted(self, node: Node, offloaded: int = 0) -> None:
+        """The path from the root to ``node`` just entered the tree or was extended; its first
+        ``offloaded`` pages are offloaded elsewhere."""
 
     def hit(self, nodes: list[Node]) -> None:
         """A match used ``nodes``; their hit counts are up to date."""
 
 
 class WriteThrough(WritePolicy):
-    def inserted(self, node: Node) -> None:
-        self.backup_all(node.path())
+    offloads_inserts = True
+
+    def inserted(self, node: Node, offloaded: int = 0) -> None:
+        # A node reaching past ``offloaded`` is backed up whole: its pages share one L2 allocation.
+        self.backup_all(nd for nd in node.path() if nd.end > offloaded)
 
 
 class WriteThroughSelective(WritePolicy):

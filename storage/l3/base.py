@@ -24,6 +24,7 @@ from __future__ import annotations
 import abc
 import hashlib
 import logging
+import socket
 import struct
 import threading
 from collections.abc import Sequence
@@ -157,6 +158,9 @@ class L3Store(abc.ABC):
     """Validation, accounting and the never-raise policy; backends implement the underscored methods."""
 
     backend = "abstract"
+    # Where the pages live, the same string for every client of one store ("" unknown: no other client's
+    # writes are taken to be this store's). P/D's decode side compares it with the prefill worker's.
+    location = ""
 
     def __init__(self, cfg) -> None:
         self.cfg = cfg
@@ -297,3 +301,10 @@ class L3Store(abc.ABC):
 
     def _close(self) -> None:
         pass
+
+
+def host_location(scheme: str, addr: str) -> str:
+    """``scheme://addr`` naming one store cluster-wide: a loopback address is this machine's alone."""
+    host = addr.rsplit(":", 1)[0].strip("[]")
+    local = host in ("localhost", "::1") or host.startswith("127.")
+    return f"{scheme}://{socket.gethostname()}/{addr}" if local else f"{scheme}://{addr}"

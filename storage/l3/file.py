@@ -22,6 +22,7 @@ import errno
 import fcntl
 import itertools
 import os
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -47,6 +48,7 @@ class FileStore(L3Store):
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
         self.root = cfg.resolved_path()
+        self.location = f"file://{socket.gethostname()}{os.path.realpath(self.root)}"   # a local directory
         self._objdir = os.path.join(self.root, "v1")
         os.makedirs(self._objdir, exist_ok=True)
         self._lock = threading.Lock()              # the index

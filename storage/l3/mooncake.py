@@ -34,7 +34,7 @@ from bisect import bisect_right
 import numpy as np
 import torch
 
-from storage.l3.base import HEADER_BYTES, KEY_PREFIX, L3Store, encode_header, key_digest, log
+from storage.l3.base import HEADER_BYTES, KEY_PREFIX, L3Store, encode_header, host_location, key_digest, log
 
 OBJECT_NOT_FOUND = -704
 # Present but unreadable as this page: larger than the buffers (INVALID_PARAMS) or smaller (TRANSFER_FAIL).
@@ -54,6 +54,7 @@ class MooncakeStore(L3Store):
         super().__init__(cfg)
         mc = cfg.mooncake
         self.mc = mc
+        self.location = host_location("mooncake", mc.master_addr)
         try:
             from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         except ImportError as e:

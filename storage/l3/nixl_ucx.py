@@ -24,7 +24,7 @@ from multiprocessing.connection import Client, Listener
 import numpy as np
 import torch
 
-from storage.l3.base import HEADER_BYTES, KEY_PREFIX, L3Store, encode_header, key_digest, log
+from storage.l3.base import HEADER_BYTES, KEY_PREFIX, L3Store, encode_header, host_location, key_digest, log
 from storage.l3.nixl import _load_nixl, wait_xfer
 
 
@@ -185,6 +185,7 @@ class NixlRemoteStore(L3Store):
         nc = cfg.nixl
         nixl_agent, nixl_agent_config = _load_nixl()
         self.nc = nc
+        self.location = host_location("nixl", nc.remote_addr)
         self._lock = threading.Lock()                 # one request/transfer at a time on agent and socket
         # No progress thread (it spins a core): waiting on a transfer progresses it.
         self._agent = nixl_agent(nc.agent_name or f"strata-l3-{os.getpid()}-{id(self):x}",

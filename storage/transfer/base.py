@@ -63,6 +63,11 @@ class KVPayload:
     swa: torch.Tensor
     swa_first_page: int
     swa_valid_from: int = 0   # first position whose SWA KV the payload holds
+    # The prompt's leading whole pages the sender's own cache offloads (its write-through) to the L3 store
+    # ``offloaded_to`` (L3Store.location): a receiver offloading to the same store skips them rather than
+    # moving them a second time.
+    offloaded_pages: int = 0
+    offloaded_to: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -74,7 +79,8 @@ class KVPayload:
         # pickled through torch's own storage serialisation, ~0.1 ms a tensor each way on a CPU (1.5-2 ms of
         # a P/D request's CPU, py-spy, session 20).
         return (_payload_from_wire, (self.prompt_len, self.first_token, self.page_size, _to_wire(self.full),
-                                     _to_wire(self.swa), self.swa_first_page, self.swa_valid_from))
+                                     _to_wire(self.swa), self.swa_first_page, self.swa_valid_from,
+                                     self.offloaded_pages, self.offloaded_to))
 
 
 def _to_wire(t: torch.Tensor) -> tuple:
@@ -94,9 +100,10 @@ def _from_wire(raw, dtype: str, shape: tuple) -> torch.Tensor:
 
 
 def _payload_from_wire(prompt_len: int, first_token: int, page_size: int, full: tuple, swa: tuple,
-                       swa_first_page: int, swa_valid_from: int) -> KVPayload:
+                       swa_first_page: int, swa_valid_from: int, offloaded_pages: int = 0,
+                       offloaded_to: str = "") -> KVPayload:
     return KVPayload(prompt_len, first_token, page_size, _from_wire(*full), _from_wire(*swa), swa_first_page,
-                     swa_valid_from)
+                     swa_valid_from, offloaded_pages, offloaded_to)
 
 
 class PoolRegion(NamedTuple):
@@ -455,8 +462,11 @@ class Receipt(NamedTuple):
     descriptors: int = 0
     packed: KVPayload | None = None   # ray_object: the packed KV itself (it travels through the object store)
     sender: str = ""                # the prefill worker that sent it
+    offloaded_pages: int = 0        # KVPayload.offloaded_pages / offloaded_to: the prompt's pages the
+    offloaded_to: str = ""          # sender writes through to that L3 store
 
 
 def receipt(payload: KVPayload, **extra) -> Receipt:
     return Receipt(payload.prompt_len, payload.first_token, payload.swa_first_page, payload.swa_valid_from,
-                   **{"bytes": payload.nbytes, **extra})
+                   **{"bytes": payload.nbytes, "offloaded_pages": payload.offloaded_pages,
+                      "offloaded_to": payload.offloaded_to, **extra})

@@ -1,6 +1,7 @@
 """The L3 store contract, run against every backend (file, mooncake against a real master, nixl)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 
@@ -240,3 +241,23 @@ def test_config_validation(tmp_path):
     with pytest.raises(ValueError, match="page_key"):
         l3_key("m", "full", "not-bytes")
     assert L3Config(path=str(tmp_path)).resolved_path() == str(tmp_path)
+
+
+def test_clients_of_one_store_name_one_location(open_store, tmp_path):
+    """P/D's decode worker skips offloading what the prefill worker wrote through to the same store
+    (engine/disagg.py): two clients of one store name the same location, a directory elsewhere another."""
+    a, b = open_store(), open_store()
+    assert a.location and b.location == a.location
+    if a.backend == "file" or (a.backend == "nixl" and a.cfg.nixl.mode != "ucx"):
+        elsewhere = make_store(dataclasses.replace(a.cfg, path=str(tmp_path / "elsewhere")))
+        try:
+            assert elsewhere.location and elsewhere.location != a.location
+        finally:
+            elsewhere.close()
+
+
+def test_a_loopback_store_address_is_this_machines_alone():
+    import socket
+    from storage.l3.base import host_location
+    assert host_location("mooncake", "127.0.0.1:50051") == f"mooncake://{socket.gethostname()}/127.0.0.1:50051"
+    assert host_location("mooncake", "10.0.0.7:50051") == "mooncake://10.0.0.7:50051"

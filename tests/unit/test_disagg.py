@@ -5,6 +5,7 @@ import torch
 
 from engine import Engine, SamplingParams
 from storage.config import HiCacheConfig
+from storage.l3 import L3Config
 from storage.transfer import TransferError
 from storage.transfer.ray_object import RayObjectBackend
 from tests import numerics, pd
@@ -59,6 +60,10 @@ def test_bad_payloads_are_rejected_and_leave_nothing_behind():
         dec.add_leased(list(range(100)), other.lease_id, wrong_dtype, sp, be)
     with pytest.raises(ValueError, match="kv transfer: covers 100 tokens"):
         dec.add_leased(list(range(99)), dest.lease_id, rec, sp, be)
+    for bad in (dict(offloaded_pages=7), dict(offloaded_pages=-1), dict(offloaded_pages="6"), dict(offloaded_to=3)):
+        d = pd.reserve(dec, 100, be)      # 100 tokens: 6 whole pages the sender may have offloaded
+        with pytest.raises(ValueError, match="offloaded_"):
+            dec.add_leased(list(range(100)), d.lease_id, be.send(kv, d, 1.0)._replace(**bad), sp, be)
     dec.check_integrity()
     tiny = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=8, swa_full_ratio=1.0)
     held = tiny.pools.full.allocator.alloc(4)   # another request's pages: 4 left, 7 needed
@@ -67,3 +72,49 @@ def test_bad_payloads_are_rejected_and_leave_nothing_behind():
     tiny.pools.full.allocator.free(held)
     for e in (dec, other_ps, tiny):
         assert e.pools.all_free() and not e.requests and e.receiver.live == 0
+
+
+def _l3_engine(path):
+    return Engine.from_pretrained("strata-tiny", page_size=16, num_pages=256, enable_prefix_cache=True,
+                                  poison_kv=True, hicache=HiCacheConfig(
+                                      host_pages=256, l3=L3Config(backend="file", path=str(path),
+                                                                  prefetch_policy="wait_complete")))
+
+
+@pytest.mark.numerics
+def test_decode_offloads_only_what_the_prefill_worker_did_not(tmp_path):
+    """DESIGN, one request step 4: the decode worker offloads the finished sequence so that the next turn's
+    prefill finds it in L3. The prefill worker has already written the prompt through to that store, so
+    the decode worker moves only the pages it computed; one whose L3 is another store (another machine's
+    directory) offloads everything, and the next turn on the prefill worker's store then stops at the
+    prompt."""
+    sp = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 256, (200,), generator=g).tolist()   # 12 whole pages; 259 tokens' KV at the end
+    want = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=256).generate([prompt], sp)[0]
+    moved, found = {}, {}
+    for case, dec_store in (("same store", "a"), ("another store", "b")):
+        pre, dec = _l3_engine(tmp_path / case / "a"), _l3_engine(tmp_path / case / dec_store)
+        [rid] = pd.handoff(pre, dec, [prompt], sp)
+        while dec.has_unfinished():
+            dec.step()
+            dec.check_integrity()
+        out = dec.pop_finished(rid)
+        assert out.token_ids == want.token_ids, case
+        for e in (pre, dec):
+            e.cache.poll(block=True)   # the backups, then the L3 writes they enqueue
+            e.check_integrity()
+        moved[case] = dec.cache.stats["pages"]["L1->L2"]
+        # The next turn, prefilled by a fresh engine on the prefill worker's store.
+        nxt = _l3_engine(tmp_path / case / "a")
+        turn2 = prompt + out.token_ids + [9] * 30
+        got = nxt.generate([turn2], SamplingParams(max_new_tokens=4, ignore_eos=True))[0]
+        found[case] = got.cached_tokens_by_tier["L3"]
+        nxt.check_integrity()
+        for e in (pre, dec, nxt):
+            e.flush_cache()
+            assert e.pools.all_free() and e.cache.host.all_free()
+            e.close()
+    assert found["same store"] >= 256 - 16, found          # prompt (prefill worker) + output (decode worker)
+    assert found["another store"] <= 192, found            # only the prompt reached this store
+    assert moved["same store"] < moved["another store"], moved   # 8 against 24 pages (full + SWA)

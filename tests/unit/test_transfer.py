@@ -325,7 +325,7 @@ def test_a_payload_pickles_its_kv_out_of_band_and_bit_exact(dtype):
     from storage.transfer.base import KVPayload
     g = torch.Generator().manual_seed(3)
     p = KVPayload(33, 7, 16, torch.randn(4, 3, 256, generator=g).to(dtype), torch.empty(2, 0, 256, dtype=dtype),
-                  2, 32)
+                  2, 32, 2, "file://host/l3")
     bufs: list = []
     data = pickle.dumps(p, protocol=5, buffer_callback=bufs.append)
     assert len(bufs) == 2 and len(data) < 1024   # the KV is not in the pickle stream
@@ -337,7 +337,8 @@ def test_a_payload_pickles_its_kv_out_of_band_and_bit_exact(dtype):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         q = pickle.loads(data, buffers=[readonly(b) for b in bufs])
-    assert (q.prompt_len, q.first_token, q.page_size, q.swa_first_page, q.swa_valid_from) == (33, 7, 16, 2, 32)
+    assert (q.prompt_len, q.first_token, q.page_size, q.swa_first_page, q.swa_valid_from, q.offloaded_pages,
+            q.offloaded_to) == (33, 7, 16, 2, 32, 2, "file://host/l3")
     for a, b in ((q.full, p.full), (q.swa, p.swa)):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
