@@ -1,6 +1,6 @@
 r"""The prefill -> decode handoff of one request, as one typed protocol (plain: no Ray).
 
-    handoff (to the prefill worker) --> first token    the prefill worker, then:  submit_leased (decode)
+    handoff (to the prefill worker) --> first token    the prefill worker, then:  leased (to decode)
       |- reserve (decode)  \  at once, then the send into          ... cancel (decode) on any failure
       |- prefill (its own) /  the leased pages                         before the decode commits
 
@@ -16,7 +16,8 @@ page is stranded.
 
 ``KVHandoff`` drives this over a ``Workers`` protocol; the Ray shell (actors/ingress.RayBackend)
 implements it over the workers' token channels (actors/token_channel.py: HANDOFF), with their timeouts
-and their error mapping.
+and their error mapping; the decode half goes from the prefill worker to the decode worker over the
+decode worker's channel too (LEASED).
 """
 from __future__ import annotations
 

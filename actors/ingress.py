@@ -204,13 +204,13 @@ class RayBackend:
     async def handoff(self, prefill: str, ids: list[int], params: SamplingParams, res: Reservation,
                       whole: bool = False) -> AsyncIterator[StreamItem]:
         """One P/D request, with no Ray call from here: HANDOFF over the prefill worker's token channel,
-        which answers the first token there and hands the decode half to ``res.decode`` itself; that half's
-        items come over this replica's channel to the decode worker (opened first: the decode worker
-        sends only to a channel that said hello, StaleChannel otherwise). The prefill worker says DONE (or
-        the decode call's error) on its channel once that call is over: relayed into the decode half's
-        queue, as ``settle`` does for a call. Closing this early aborts it all (ABORT to the prefill worker,
-        which cancels the decode call). A worker whose channel drops is WorkerFailed (retried), but the
-        prefill worker's after the first token: the decode half goes on without it."""
+        which answers the first token there and hands the decode half to ``res.decode`` itself (LEASED, over
+        the decode worker's request endpoint); that half's items, or its refusal, come over this replica's
+        channel to the decode worker (opened first: the decode worker sends only to a channel that said
+        hello, StaleChannel otherwise). The prefill worker says DONE once it has handed the request on, or
+        why it could not (relayed into the decode half's queue). Closing this early aborts it all (ABORT to
+        both workers). A worker whose channel drops is WorkerFailed (retried), but the prefill worker's
+        after the first token: the decode half goes on without it."""
         dclient = await self._channel(res.decode)
         pclient = await self._channel(prefill)
         pkey, pq = pclient.open()
@@ -218,7 +218,7 @@ class RayBackend:
         relay: asyncio.Future | None = None
         finished, worker, client = False, prefill, pclient
         try:
-            pclient.handoff(pkey, Handoff(ids, params, whole, res, dclient.identity, dkey))
+            pclient.handoff(pkey, Handoff(ids, params, whole, res, dclient.identity, dkey, dclient.requests_endpoint))
             try:
                 first = await anext(request_items(pq, self.timeout, CHANNEL_GRACE_S))
             except asyncio.TimeoutError:
@@ -246,6 +246,7 @@ class RayBackend:
             dclient.release(dkey)
             if not finished:   # the client left, a timeout, a failure: nothing goes on computing for nobody
                 pclient.abort(pkey)
+                dclient.abort(dkey)
 
     def cancel(self, decode: str, lease_id: str) -> None:
         self.workers[decode].cancel.remote(lease_id)
@@ -488,11 +489,11 @@ ROUTE_CHANNEL_RETRY_S = 1.0
 
 
 async def _relay(pq: asyncio.Queue, dq: asyncio.Queue) -> None:
-    """A handed-off request's end as its prefill worker says it (RETURNED, or the decode call's error) into
-    the decode half's queue. The prefill worker's channel lost meanwhile says nothing about the decode half,
-    which goes on (its own channel's loss, and the per-item timeout, still end it)."""
+    """Why a prefill worker could not hand its request on into the decode half's queue. Its DONE (handed
+    on) and its channel lost meanwhile say nothing about the decode half, which goes on (its own channel's
+    loss, its refusal there, and the per-item timeout still end it)."""
     x = await pq.get()
-    if not isinstance(x, ChannelLost):
+    if isinstance(x, BaseException) and not isinstance(x, ChannelLost):
         dq.put_nowait(x)
 
 

@@ -20,14 +20,17 @@ such a request's output: its reader wants only the whole answer. Requests come t
   request of that client at once (``ChannelLost``).
 * a P/D request, over its prefill worker's channel (``ChannelClient.handoff``): ``[HANDOFF, identity,
   key, request]`` names the decode worker's lease and where the decode half's items go (the same
-  ingress's channel to the decode worker, under a key of that channel). The prefill worker answers the
-  first token on its own channel, then hands the decode half to the decode worker itself (a Ray call
-  worker to worker, ``WorkerActor.submit_leased``: the KV's receipt is a Ray object, and a worker that
-  dies fails the call), whose items go straight to the ingress; when that call is over the prefill worker
-  says ``[DONE, key]`` (or the error). The ingress makes no Ray call for it: the first token crosses one
-  ZMQ hop each way instead of a Ray call (~1.2-1.9 ms in and ~0.9-3 ms back), and the decode starts from
-  the prefill worker, not after a round trip through the ingress. ``[ABORT, identity, key]`` on the
-  prefill worker's channel cancels the whole request, decode half included.
+  ingress's channel to the decode worker, under a key of that channel, and that channel's request
+  endpoint). The prefill worker answers the first token on its own channel, then hands the decode half to
+  the decode worker itself over the decode worker's request endpoint (``LeasedSender``: ``[LEASED,
+  identity, key, request, *buffers]``, the ingress's identity and key, so the decode worker's items go
+  straight to the ingress; the receipt's KV, for ray_object, rides out of band in the buffers) and says
+  ``[DONE, key]``: handed on. No Ray call on the way: a worker-to-worker Ray call cost ~2 ms of the
+  prefill worker's CPU and ~1 ms of the decode worker's per request (py-spy, session 21), a ZMQ message a
+  fraction of that. What the call gave is kept otherwise: the decode worker's refusal (a lease gone, a
+  bad receipt) is an ERROR on its channel to the ingress; a decode worker that dies drops that channel;
+  the client that leaves makes the ingress ABORT both halves (an ABORT that overtakes its LEASED refuses
+  it when it comes).
 * through a Ray call per request (``WorkerActor.submit_leased`` from a driver), which returns when the
   request is over: a worker that dies fails that call, cancelling it aborts the request.
 
@@ -44,7 +47,8 @@ payload]``, msgpack ``[key, kind, message, worker]`` (``worker``: the peer a Pee
 ""); ``[DONE, payload]``, msgpack ``key``: a handed-off request's decode call is over. Requests (PUSH ->
 PULL): ``[SUBMIT, identity, key, pickle((prompt ids, SamplingParams, whole))]`` (pickled as Ray would:
 both ends are the cluster's own processes; ``whole``: a non-streamed request, whose items the worker sends
-merged), ``[HANDOFF, identity, key, pickle(Handoff)]``, ``[ABORT, identity, key]``.
+merged), ``[HANDOFF, identity, key, pickle(Handoff)]``, ``[LEASED, identity, key, pickle((prompt ids,
+lease id, Receipt, SamplingParams, whole)), *out-of-band buffers]``, ``[ABORT, identity, key]``.
 """
 from __future__ import annotations
 
@@ -70,7 +74,7 @@ from storage.transfer import TransferError
 log = logging.getLogger("strata.token_channel")
 
 HELLO, ACK, ITEMS, PICKLED, ERROR, DONE = b"H", b"A", b"I", b"P", b"E", b"R"
-SUBMIT, HANDOFF, ABORT = b"S", b"D", b"X"
+SUBMIT, HANDOFF, LEASED, ABORT = b"S", b"D", b"L", b"X"
 HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 1000, 5000
 """A client pings its worker's socket this often and counts it gone when no answer comes this long (a
 node lost without its TCP connections closing). libzmq's own I/O thread answers, so a worker busy in
@@ -95,13 +99,24 @@ class ChannelLost(Exception):
 class Handoff(NamedTuple):
     """A P/D request as its prefill worker receives it over the channel: the prompt, the lease it reserves
     on the decode worker (``res``, named by the ingress), and where the decode half's items go:
-    ``decode_channel`` (the ingress's routing id on the decode worker's channel) under ``decode_key``."""
+    ``decode_channel`` (the ingress's routing id on the decode worker's channel) under ``decode_key``;
+    ``decode_requests``: that channel's request endpoint, where the prefill worker sends the decode half."""
     ids: list[int]
     params: SamplingParams
     whole: bool
     res: Reservation
     decode_channel: bytes
     decode_key: int
+    decode_requests: str
+
+
+class Leased(NamedTuple):
+    """A handed-off request's decode half as its decode worker receives it (LEASED)."""
+    ids: list[int]
+    lease_id: str
+    receipt: Any          # storage.transfer.Receipt (its ray_object payload's KV out of band)
+    params: SamplingParams
+    whole: bool
 
 
 class Route(NamedTuple):
@@ -164,7 +179,8 @@ class ChannelServer:
 
     def __init__(self, host: str, on_request: Callable[[Route, Any, Any, bool], None] | None = None,
                  on_abort: Callable[[Route], None] | None = None,
-                 on_handoff: Callable[[Route, Handoff], None] | None = None) -> None:
+                 on_handoff: Callable[[Route, Handoff], None] | None = None,
+                 on_leased: Callable[[Route, Leased], None] | None = None) -> None:
         self._ctx = zmq.Context(1)
         try:
             self._sock, self.endpoint = bind_random(self._ctx, zmq.ROUTER, host, ((zmq.ROUTER_HANDOVER, 1),))
@@ -180,6 +196,7 @@ class ChannelServer:
         # Requests over the channel: a PULL of its own, read by its own thread (blocked in recv, without
         # the GIL), so a request never waits on the ROUTER's shared socket and its lock.
         self.on_request, self.on_abort, self.on_handoff = on_request, on_abort, on_handoff
+        self.on_leased = on_leased
         self.requests_endpoint: str | None = None
         self.received_requests = 0
         if on_request is not None:
@@ -251,6 +268,17 @@ class ChannelServer:
                         self.send_error(route, ValueError(f"request cannot be read: {e!r}"))
                         continue
                     self.on_handoff(route, h)
+                elif kind == LEASED and len(frames) >= 4 and self.on_leased is not None:
+                    self.received_requests += 1
+                    route = Route(channel, key)
+                    try:
+                        d = pickle.loads(frames[3], buffers=frames[4:])
+                        if not isinstance(d, Leased):
+                            raise TypeError(f"expected a Leased, got {type(d).__name__}")
+                    except Exception as e:  # noqa: BLE001 - refused, not dropped: the ingress waits for it
+                        self.send_error(route, ValueError(f"request cannot be read: {e!r}"))
+                        continue
+                    self.on_leased(route, d)
                 elif kind == ABORT and self.on_abort is not None:
                     self.on_abort(Route(channel, key))
                 else:
@@ -306,6 +334,7 @@ class ChannelClient:
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(endpoint)
         self._push = None
+        self.requests_endpoint = requests_endpoint
         if requests_endpoint is not None:
             self._push = ctx.socket(zmq.PUSH)
             for opt, v in ((zmq.LINGER, 0), (zmq.SNDHWM, 0)):
@@ -348,8 +377,9 @@ class ChannelClient:
 
     def handoff(self, key: int, h: Handoff) -> None:
         """Send P/D request ``key`` to its prefill worker (this channel's); its first item, or its error, or
-        DONE once the decode half is over, come in its queue here; the decode half's items in the queue of
-        ``h.decode_key`` on the decode worker's channel (open both first). ``abort(key)`` stops all of it."""
+        DONE once the decode half is handed on, come in its queue here; the decode half's items (or its
+        refusal) in the queue of ``h.decode_key`` on the decode worker's channel (open both first).
+        ``abort(key)`` here and ``abort(h.decode_key)`` there stop all of it."""
         self._send_request(HANDOFF, key, h)
 
     def _send_request(self, kind: bytes, key: int, request: Any) -> None:
@@ -438,6 +468,45 @@ class ChannelClient:
             self._push.close(linger=0)
 
 
+class LeasedSender:
+    """A prefill worker's end toward its decode workers' request endpoints: one PUSH per endpoint, used
+    from one thread (the actor's event loop). ``send`` never blocks: a decode worker that stopped reading
+    (gone, its endpoint stale) fills its socket's queue up to ``hwm`` messages, and a send past that
+    raises ChannelLost, as does one after ``close``."""
+
+    def __init__(self, hwm: int = 1000) -> None:
+        self._ctx = zmq.Context(1)
+        self._socks: dict[str, zmq.Socket] = {}
+        self.hwm = hwm
+        self.closed = False
+
+    def send(self, endpoint: str, channel: bytes, key: int, leased: Leased) -> None:
+        """The decode half ``leased`` to the worker at ``endpoint``, its items for ``channel``'s ``key``."""
+        if self.closed:
+            raise ChannelLost("the leased sender is closed")
+        sock = self._socks.get(endpoint)
+        if sock is None:
+            sock = self._ctx.socket(zmq.PUSH)
+            for opt, v in ((zmq.LINGER, 0), (zmq.SNDHWM, self.hwm)):
+                sock.setsockopt(opt, v)
+            sock.connect(endpoint)
+            self._socks[endpoint] = sock
+        bufs: list[pickle.PickleBuffer] = []
+        head = pickle.dumps(leased, protocol=5, buffer_callback=bufs.append)
+        try:
+            sock.send_multipart([LEASED, channel, key.to_bytes(8, "little"), head, *(b.raw() for b in bufs)],
+                                copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise ChannelLost(f"the decode worker at {endpoint} reads no requests ({self.hwm} queued)") from None
+
+    def close(self) -> None:
+        self.closed = True
+        for sock in self._socks.values():
+            sock.close(linger=0)
+        self._socks.clear()
+        self._ctx.term()
+
+
 RETURNED = object()   # in a request's queue: its call returned (its last item is due, if not already there)
 
 
@@ -488,5 +557,5 @@ async def request_items(q: asyncio.Queue, timeout: float, grace: float) -> Async
                 return
 
 
-__all__ = ["RETURNED", "ChannelClient", "ChannelLost", "ChannelServer", "Handoff", "Route", "StaleChannel",
-           "decode_items", "encode_items", "remote_error", "request_items", "settle"]
+__all__ = ["RETURNED", "ChannelClient", "ChannelLost", "ChannelServer", "Handoff", "Leased", "LeasedSender",
+           "Route", "StaleChannel", "decode_items", "encode_items", "remote_error", "request_items", "settle"]

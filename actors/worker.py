@@ -16,6 +16,7 @@ import os
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from typing import AsyncIterator
 
 import ray
@@ -23,7 +24,7 @@ from ray.actor import ActorHandle
 
 from actors.ep_host import EPHost
 from actors.handoff import PeerFailed, Reservation, prefill_reserving
-from actors.token_channel import ChannelServer, Handoff, Route, StaleChannel
+from actors.token_channel import ChannelServer, Handoff, Leased, LeasedSender, Route, StaleChannel
 from engine import Engine, EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine, StreamItem
 from storage.kv_events import (KVEventPublisher, KVEventsConfig, KVEventsEndpoint, StreamPosition, TreeEventStream,
@@ -33,6 +34,7 @@ from storage.transfer.base import Receipt, SendStats, TransferStats
 from storage.transfer.sends import SendRecord
 
 log = logging.getLogger("strata.worker")
+MAX_EARLY_ABORTS = 4096   # routes whose ABORT came before their decode half, kept to refuse it (oldest go)
 
 
 @ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=1000)
@@ -63,9 +65,12 @@ class WorkerActor:
         # requests it prefills (_channel_handoff), whose decode half it hands to the decode worker as a Ray
         # call (submit_leased, whose receipt is a Ray object).
         self.channel = ChannelServer(channel_host(kv_events), on_request=self._channel_request,
-                                     on_abort=self._channel_abort, on_handoff=self._channel_handoff)
+                                     on_abort=self._channel_abort, on_handoff=self._channel_handoff,
+                                     on_leased=self._channel_leased)
         self._loop: asyncio.AbstractEventLoop | None = None   # the actor's event loop (channel_endpoints)
         self._handoffs: dict[Route, asyncio.Task] = {}         # P/D requests from the channel, by route
+        self._aborted: OrderedDict[Route, None] = OrderedDict()   # ABORTs that came before their request
+        self.leased_out = LeasedSender()                      # decode halves to the decode workers
         self.core.on_step = self.channel.send_step
         self.router = router
         self.report_interval = report_interval
@@ -106,6 +111,7 @@ class WorkerActor:
         """A graceful exit (Ray calls this): stop the threads, close the sockets."""
         self._stop.set()
         self.channel.close()
+        self.leased_out.close()
         if self.kv_events is not None:
             try:
                 self.kv_events.close()
@@ -478,6 +484,10 @@ class WorkerActor:
         task = self._handoffs.get(route)
         if task is not None:
             task.cancel()
+        else:   # a decode half's ABORT may overtake its LEASED (two senders): refused when it comes
+            self._aborted[route] = None
+            while len(self._aborted) > MAX_EARLY_ABORTS:
+                self._aborted.popitem(last=False)
 
     def _channel_handoff(self, route: Route, h: Handoff) -> None:
         """A P/D request over the channel (its request thread): run on the actor's event loop."""
@@ -492,10 +502,10 @@ class WorkerActor:
 
     async def _handoff(self, route: Route, h: Handoff) -> None:
         """A P/D request from the ingress: prefill it, reserving ``h.res`` on its decode worker (prefill_to),
-        answer the first token on this channel, then hand the decode half to the decode worker, whose items
-        go straight to the ingress (``h.decode_channel``, ``h.decode_key``); DONE here once that call is over,
-        or its error (a decode worker that died: PeerFailed naming it). Cancelled (the client left): the
-        prefill stops, or the decode call is cancelled, which aborts the request there."""
+        answer the first token on this channel, then hand the decode half to the decode worker over its
+        request endpoint (LEASED), whose items go straight to the ingress (``h.decode_channel``,
+        ``h.decode_key``); DONE here once handed on, or why it could not be (PeerFailed naming the decode
+        worker). Cancelled (the client left) while prefilling: the prefill stops."""
         if not isinstance(h.params, SamplingParams) or not isinstance(h.res, Reservation):
             self.channel.send_error(route, ValueError("handoff: expected SamplingParams and a Reservation"))
             return
@@ -510,29 +520,46 @@ class WorkerActor:
         if rec is None or first.finish_reason != "prefill":   # done at its first token: no decode half
             return
         decode = h.res.decode
-        handle = self.peers.get(decode)   # looked up by prefill_to's reserve (gone only if it died since)
-        if handle is None:
-            self.channel.send_error(route, PeerFailed(f"decode worker {decode} is gone", decode))
-            return
-        ref = handle.submit_leased.remote(h.ids, h.res.lease_id, rec, h.params, h.decode_channel, h.decode_key,
-                                          h.whole)
         try:
-            await ref
-        except asyncio.CancelledError:
-            ray.cancel(ref)   # aborts the request on the decode worker
-            return
-        except ray.exceptions.RayTaskError as e:
-            cause = e.cause
-            self.channel.send_error(route, cause if isinstance(cause, (ValueError, MemoryError, TransferError,
-                                                                        StaleChannel))
-                                    else RuntimeError(f"decode worker {decode}: {str(e).splitlines()[0]}"))
-        except ray.exceptions.RayError as e:   # the decode worker died (or is restarting)
-            self.channel.send_error(route, PeerFailed(f"decode worker {decode}: {str(e).splitlines()[0][:300]}",
-                                                      decode))
-        except Exception as e:  # noqa: BLE001 - whatever it is, the ingress hears it rather than waits
-            self.channel.send_error(route, RuntimeError(f"decode worker {decode}: {e!r}"))
+            self.leased_out.send(h.decode_requests, h.decode_channel, h.decode_key,
+                                 Leased(h.ids, h.res.lease_id, rec, h.params, h.whole))
+        except Exception as e:  # noqa: BLE001 - the ingress hears it rather than waits
+            self.channel.send_error(route, PeerFailed(f"decode worker {decode}: cannot hand on: {e!r}", decode))
         else:
             self.channel.send_done(route)
+
+    def _channel_leased(self, route: Route, d: Leased) -> None:
+        """A decode half over the channel (its request thread), from a prefill worker: on the event loop."""
+        if self._loop is None:   # cannot be: the ingress asked channel_endpoints before it could send
+            self.channel.send_error(route, RuntimeError("leased request before channel_endpoints"))
+            return
+        self._loop.call_soon_threadsafe(self._start_leased, route, d)
+
+    def _start_leased(self, route: Route, d: Leased) -> None:
+        if route in self._aborted:   # its client left before it came: free its pages now
+            del self._aborted[route]
+            asyncio.ensure_future(self.cancel(d.lease_id))
+            return
+        try:
+            self.channel.route(*route)
+        except StaleChannel as e:   # nobody to stream to (nor to tell): the ingress's own channel fails it
+            log.warning("leased request %s refused: %s", d.lease_id, e)
+            asyncio.ensure_future(self.cancel(d.lease_id))
+            return
+        task = self._handoffs[route] = asyncio.ensure_future(self._leased(route, d))
+        task.add_done_callback(lambda _t: self._handoffs.pop(route, None))
+
+    async def _leased(self, route: Route, d: Leased) -> None:
+        """Admit a decode half (``submit_leased``'s work) and stream it to ``route``; a refusal (a lease gone,
+        a bad receipt) as the route's error. Cancelled (ABORT: the client left): the request stops."""
+        try:
+            if not isinstance(d.params, SamplingParams) or not isinstance(d.lease_id, str):
+                raise ValueError("leased request: expected SamplingParams and a lease id")
+            await self._decode_to(route, d.ids, d.lease_id, d.receipt, d.params, d.whole)
+        except asyncio.CancelledError:
+            return
+        except Exception as e:  # noqa: BLE001 - said to the ingress, which raises it
+            self.channel.send_error(route, e)
 
     def _channel_request(self, route, ids, params, whole: bool = False) -> None:
         """A request that came over the token channel (its request thread): straight to the engine thread,
@@ -555,20 +582,24 @@ class WorkerActor:
 
     async def submit_leased(self, ids: list[int], lease_id: str, receipt: Receipt | None, params: SamplingParams,
                             channel: bytes, key: int, whole: bool = False) -> None:
-        """``decode_leased`` whose items go over the token channel, as ``submit``'s do (``whole``: merged).
-        Cancelled before its end, it says so on the channel: a client that left has let go of the key (the
-        message is dropped), but a caller that died (a handoff's prefill worker) would leave the ingress
+        """``decode_leased`` whose items go over the token channel, as ``submit``'s do (``whole``: merged), as
+        a Ray call (drivers, tests; a handoff's decode half comes over the channel: LEASED). Cancelled
+        before its end, it says so on the channel: a caller that died would otherwise leave the ingress
         waiting for items that never come."""
         route = self.channel.route(channel, key)
         try:
-            await self._await_arrival(lease_id, receipt)
-            async for _last in self.core.decode_leased(ids, lease_id, receipt, params, time.monotonic(),
-                                                       self.transfer, route=route, whole=whole):
-                pass
+            await self._decode_to(route, ids, lease_id, receipt, params, whole)
         except asyncio.CancelledError:
             self.channel.send_error(route, RuntimeError(f"decode worker {self.worker_id}: the request was "
                                                         f"cancelled by its caller"))
             raise
+
+    async def _decode_to(self, route: Route, ids: list[int], lease_id: str, receipt: Receipt | None,
+                         params: SamplingParams, whole: bool) -> None:
+        await self._await_arrival(lease_id, receipt)
+        async for _last in self.core.decode_leased(ids, lease_id, receipt, params, time.monotonic(), self.transfer,
+                                                   route=route, whole=whole):
+            pass
 
     # ---- operations ------------------------------------------------------------------------------
     async def load(self) -> dict:

@@ -2,7 +2,8 @@
 cluster (actors/ingress.RayBackend's ``handoff``, driven by KVHandoff, without Serve or a router): one
 HANDOFF to the prefill worker, no Ray call from the ingress; the first token from the prefill worker's
 channel, the rest from the decode worker's, equal to the engine's; a client that leaves mid-decode stops
-the decode worker's request (the prefill worker cancels its call) and no lease stays; a decode worker that
+the decode worker's request (the ingress ABORTs it there) and no lease stays, also when that ABORT overtakes
+the decode half the prefill worker sends (LEASED); a decode worker that
 dies mid-stream fails the request as that worker's (WorkerFailed naming it), a prefill worker that dies
 mid-decode does not, and bad input is a ValueError."""
 from __future__ import annotations
@@ -156,3 +157,31 @@ def test_a_prefill_worker_killed_mid_decode_does_not_stop_the_decode_half(backen
     asyncio.run(stream())   # Ray does not cancel a running actor task whose caller died: it goes on
     assert time.monotonic() - t < 30 and got == want
     _back_and_serving(b, p)
+
+
+def test_an_abort_that_overtakes_its_decode_half_refuses_it_and_frees_its_lease(backend):
+    """The ingress ABORTs both halves of a request whose client left; the decode half (LEASED, from the
+    prefill worker) and that ABORT reach the decode worker from two senders, so the ABORT may come first:
+    the decode half is then refused when it comes (nothing runs, nothing is sent) and its lease freed."""
+    from actors.token_channel import Leased, LeasedSender
+    b, _ = backend
+    d = b.workers["d0"]
+    ray.get(d.reserve.remote(3, "p0", lease_id="d0/overtaken-1"), timeout=30)
+    assert _leases(b) == 1
+    sender = LeasedSender()
+
+    async def main():
+        client = await b._channel("d0")
+        key, q = client.open()
+        client.abort(key)
+        await asyncio.sleep(0.5)   # the ABORT first
+        sender.send(client.requests_endpoint, client.identity, key,
+                    Leased([1, 2, 3], "d0/overtaken-1", None, SamplingParams(max_new_tokens=4), False))
+        await asyncio.sleep(1.0)
+        client.release(key)
+        return q.qsize()
+    try:
+        assert asyncio.run(main()) == 0   # refused silently: its client is gone
+    finally:
+        sender.close()
+    _wait_idle(b)

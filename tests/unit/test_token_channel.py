@@ -497,7 +497,8 @@ def test_a_handoff_reaches_its_handler_and_its_end_and_errors_come_back_as_their
         out = []
         for k in range(5):
             key, q = c.open()
-            c.handoff(key, Handoff([1, 2, 3], SamplingParams(max_new_tokens=4), False, res, b"ingress", 40 + k))
+            c.handoff(key, Handoff([1, 2, 3], SamplingParams(max_new_tokens=4), False, res, b"ingress", 40 + k,
+                                   "tcp://127.0.0.1:9"))
             first = await asyncio.wait_for(q.get(), 5)
             assert first.token_ids == [7] and first.finish_reason == "prefill"
             out.append(await asyncio.wait_for(q.get(), 5))
@@ -518,5 +519,55 @@ def test_a_handoff_reaches_its_handler_and_its_end_and_errors_come_back_as_their
     assert isinstance(unreadable, ValueError) and "cannot be read" in str(unreadable)
     assert [k for k, _ in got] == [0, 1, 2, 3, 4]
     h = got[0][1]
-    assert (h.ids, h.res, h.decode_channel, h.decode_key, h.whole) == ([1, 2, 3], res, b"ingress", 40, False)
+    assert (h.ids, h.res, h.decode_channel, h.decode_key, h.whole, h.decode_requests) == \
+        ([1, 2, 3], res, b"ingress", 40, False, "tcp://127.0.0.1:9")
     assert h.params == SamplingParams(max_new_tokens=4)
+
+
+def test_a_leased_decode_half_reaches_its_handler_with_its_kv_out_of_band():
+    """LEASED, from a prefill worker's LeasedSender to a decode worker's request endpoint: the ingress's
+    route (its identity and key), the receipt with its ray_object KV bit for bit (out of band: the pickle
+    itself stays small), the params; an unreadable one is refused to the route's client, which waits for
+    it; a sender past its queue's bound (nobody reads) says so instead of blocking."""
+    from actors.token_channel import Leased, LeasedSender
+    from storage.transfer.base import KVPayload, Receipt
+    from tests.util import free_port
+    got: list = []
+    s = ChannelServer("127.0.0.1", on_request=lambda *a: None, on_abort=lambda r: None,
+                      on_leased=lambda route, d: got.append((route, d)))
+    g = torch.Generator().manual_seed(4)
+    kv = KVPayload(40, 9, 16, torch.randn(2, 3, 512, generator=g).to(torch.bfloat16),
+                   torch.randn(2, 1, 512, generator=g).to(torch.bfloat16), 2, 32, 2, "file://h/l3")
+    rec = Receipt(40, 9, 2, 32, kv.nbytes, packed=kv, sender="p0")
+    sender = LeasedSender(hwm=2)
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        c = await _requester(s, ctx)
+        key, q = c.open()
+        sender.send(s.requests_endpoint, c.identity, key, Leased([1, 2, 3], "lease-1", rec,
+                                                                 SamplingParams(max_new_tokens=4), True))
+        bad, bq = c.open()
+        sender._socks[s.requests_endpoint].send_multipart([b"L", c.identity, bad.to_bytes(8, "little"), b"junk"])
+        refused = await asyncio.wait_for(bq.get(), 5)
+        c.close()
+        ctx.term()
+        return key, refused
+    try:
+        key, refused = asyncio.run(main())
+        nobody = f"tcp://127.0.0.1:{free_port()}"
+        with pytest.raises(ChannelLost, match="reads no requests"):
+            for _ in range(100):
+                sender.send(nobody, b"x", 0, Leased([1], "l", None, SamplingParams(), False))
+    finally:
+        sender.close()
+        s.close()
+    assert isinstance(refused, ValueError) and "cannot be read" in str(refused)
+    [(route, d)] = got
+    assert route.key == key and (d.ids, d.lease_id, d.whole) == ([1, 2, 3], "lease-1", True)
+    assert d.params == SamplingParams(max_new_tokens=4)
+    p = d.receipt.packed
+    assert d.receipt._replace(packed=None) == rec._replace(packed=None)
+    assert (p.prompt_len, p.offloaded_pages, p.offloaded_to) == (40, 2, "file://h/l3")
+    for a, b in ((p.full, kv.full), (p.swa, kv.swa)):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
