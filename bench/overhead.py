@@ -83,10 +83,14 @@ What #37 changed, and what is left (after; README "Serving overhead" has both ta
   then showed Ray pickling the ray_object payload's tensors through torch's storage serialisation on both
   workers (~14% of their CPU); the payload now pickles its KV as raw byte arrays (out of band under pickle
   5): the workers' CPU per short request 13.0 -> 10.3 ms in the profile's run.
-- Left, 1P+1D: the workers' ~9-11 ms of CPU per short request: two engines (each with its own write-through
-  of the prompt's pages to L2 and the file L3), and two Ray calls worker to worker (reserve,
-  submit_leased: ~0.6 ms of the prefill worker's event loop and ~1 ms of the decode worker's Ray threads
-  per request).
+- Then (session 21): the decode worker offloads only the pages it computed (the prompt's are the prefill
+  worker's write-through to the same L3 store: ``KVPayload.offloaded_pages`` / ``offloaded_to``), and the
+  decode half goes prefill -> decode worker as one LEASED message on the decode worker's channel instead
+  of the ``submit_leased`` Ray call. Profile (``--profile --configs 1p1d``, a ~3x slower machine): the
+  workers' CPU per short request 38.1 -> 28.2 ms; Ray's share of it 17% -> 10%.
+- Left, 1P+1D: two engines' steps (the decode worker's own batches), the prefill worker's write-through of
+  every new prompt (as colocated), and one Ray call worker to worker (``reserve``, ~7% of the prefill
+  worker's CPU with the decode worker's side of it).
 - A slow reader (4 KB socket buffer, 3 s late, ~1 MB of SSE) does not hold others back: its output is
   buffered per client and the others' latency matches the prompt-reader case.
 """
