@@ -44,7 +44,7 @@ Wire (frames after the ROUTER's routing id): ``[HELLO]`` / ``[ACK]``; ``[ITEMS, 
 msgpack array of ``[key, *StreamItem fields]`` in the dataclass's order (TokenLogprob as arrays), or
 ``[PICKLED, payload]`` for a batch msgpack cannot encode (a value of an unexpected type); ``[ERROR,
 payload]``, msgpack ``[key, kind, message, worker]`` (``worker``: the peer a PeerFailed names, else
-""); ``[DONE, payload]``, msgpack ``key``: a handed-off request's decode call is over. Requests (PUSH ->
+""); ``[DONE, payload]``, msgpack ``key``: a handed-off request's decode half is handed on. Requests (PUSH ->
 PULL): ``[SUBMIT, identity, key, pickle((prompt ids, SamplingParams, whole))]`` (pickled as Ray would:
 both ends are the cluster's own processes; ``whole``: a non-streamed request, whose items the worker sends
 merged), ``[HANDOFF, identity, key, pickle(Handoff)]``, ``[LEASED, identity, key, pickle((prompt ids,

@@ -62,8 +62,8 @@ class WorkerActor:
         # The token channel (actors/token_channel.py), on this node's address as the KV events are: the
         # items of the ingress's requests go out on it, one message per step and ingress replica, and its
         # requests to this worker alone come in on it (no Ray call: _channel_request), and so do the P/D
-        # requests it prefills (_channel_handoff), whose decode half it hands to the decode worker as a Ray
-        # call (submit_leased, whose receipt is a Ray object).
+        # requests it prefills (_channel_handoff), whose decode half it hands to the decode worker over that
+        # worker's channel (LEASED: _channel_leased there).
         self.channel = ChannelServer(channel_host(kv_events), on_request=self._channel_request,
                                      on_abort=self._channel_abort, on_handoff=self._channel_handoff,
                                      on_leased=self._channel_leased)
