@@ -16,8 +16,8 @@ page is stranded.
 
 ``KVHandoff`` drives this over a ``Workers`` protocol; the Ray shell (actors/ingress.RayBackend)
 implements it over the workers' token channels (actors/token_channel.py: HANDOFF), with their timeouts
-and their error mapping; the decode half goes from the prefill worker to the decode worker over the
-decode worker's channel too (LEASED).
+and their error mapping; the prefill worker reserves the lease (RESERVE) and hands the decode half on
+(LEASED) over the decode worker's channel too: no Ray call on a request's way.
 """
 from __future__ import annotations
 

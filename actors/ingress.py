@@ -203,9 +203,10 @@ class RayBackend:
     # ---- the handoff's Workers protocol (actors/handoff.py): over the token channels, bounded, errors mapped
     async def handoff(self, prefill: str, ids: list[int], params: SamplingParams, res: Reservation,
                       whole: bool = False) -> AsyncIterator[StreamItem]:
-        """One P/D request, with no Ray call from here: HANDOFF over the prefill worker's token channel,
-        which answers the first token there and hands the decode half to ``res.decode`` itself (LEASED, over
-        the decode worker's request endpoint); that half's items, or its refusal, come over this replica's
+        """One P/D request, with no Ray call on its way: HANDOFF over the prefill worker's token channel,
+        which reserves the lease on ``res.decode`` (RESERVE, over the decode worker's channel), answers the
+        first token there and hands the decode half to ``res.decode`` itself (LEASED, over the decode
+        worker's request endpoint); that half's items, or its refusal, come over this replica's
         channel to the decode worker (opened first: the decode worker sends only to a channel that said
         hello, StaleChannel otherwise). The prefill worker says DONE once it has handed the request on, or
         why it could not (relayed into the decode half's queue). Closing this early aborts it all (ABORT to
@@ -218,7 +219,8 @@ class RayBackend:
         relay: asyncio.Future | None = None
         finished, worker, client = False, prefill, pclient
         try:
-            pclient.handoff(pkey, Handoff(ids, params, whole, res, dclient.identity, dkey, dclient.requests_endpoint))
+            pclient.handoff(pkey, Handoff(ids, params, whole, res, dclient.identity, dkey, dclient.requests_endpoint,
+                                          dclient.endpoint))
             try:
                 first = await anext(request_items(pq, self.timeout, CHANNEL_GRACE_S))
             except asyncio.TimeoutError:

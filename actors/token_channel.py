@@ -21,14 +21,19 @@ such a request's output: its reader wants only the whole answer. Requests come t
 * a P/D request, over its prefill worker's channel (``ChannelClient.handoff``): ``[HANDOFF, identity,
   key, request]`` names the decode worker's lease and where the decode half's items go (the same
   ingress's channel to the decode worker, under a key of that channel, and that channel's request
-  endpoint). The prefill worker answers the first token on its own channel, then hands the decode half to
-  the decode worker itself over the decode worker's request endpoint (``LeasedSender``: ``[LEASED,
+  endpoint). The prefill worker reserves the lease on the decode worker over that worker's channel too
+  (``ChannelClient.reserve``: ``[RESERVE, identity, key, pickle(Reserve)]`` to its request endpoint from
+  the prefill worker's own DEALER to it, answered ``[RESERVED, pickle((key, Destination))]`` or as a
+  refused request's ERROR), while it computes the prompt. It answers the first token on its own channel,
+  then hands the decode half to the decode worker itself over the decode worker's request endpoint
+  (``LeasedSender``: ``[LEASED,
   identity, key, request, *buffers]``, the ingress's identity and key, so the decode worker's items go
   straight to the ingress; the receipt's KV, for ray_object, rides out of band in the buffers) and says
   ``[DONE, key]``: handed on. No Ray call on the way: a worker-to-worker Ray call cost ~2 ms of the
   prefill worker's CPU and ~1 ms of the decode worker's per request (py-spy, session 21), a ZMQ message a
-  fraction of that. What the call gave is kept otherwise: the decode worker's refusal (a lease gone, a
-  bad receipt) is an ERROR on its channel to the ingress; a decode worker that dies drops that channel;
+  fraction of that. What the calls gave is kept otherwise: a refused reserve (no room: MemoryError) is
+  raised as its kind on the prefill worker; the decode worker's refusal of the decode half (a lease gone,
+  a bad receipt) is an ERROR on its channel to the ingress; a decode worker that dies drops both channels;
   the client that leaves makes the ingress ABORT both halves (an ABORT that overtakes its LEASED refuses
   it when it comes).
 * through a Ray call per request (``WorkerActor.submit_leased`` from a driver), which returns when the
@@ -44,11 +49,13 @@ Wire (frames after the ROUTER's routing id): ``[HELLO]`` / ``[ACK]``; ``[ITEMS, 
 msgpack array of ``[key, *StreamItem fields]`` in the dataclass's order (TokenLogprob as arrays), or
 ``[PICKLED, payload]`` for a batch msgpack cannot encode (a value of an unexpected type); ``[ERROR,
 payload]``, msgpack ``[key, kind, message, worker]`` (``worker``: the peer a PeerFailed names, else
-""); ``[DONE, payload]``, msgpack ``key``: a handed-off request's decode half is handed on. Requests (PUSH ->
+""); ``[DONE, payload]``, msgpack ``key``: a handed-off request's decode half is handed on; ``[RESERVED,
+payload]``, pickle ``(key, Destination)``: a reserve's leased pages. Requests (PUSH ->
 PULL): ``[SUBMIT, identity, key, pickle((prompt ids, SamplingParams, whole))]`` (pickled as Ray would:
 both ends are the cluster's own processes; ``whole``: a non-streamed request, whose items the worker sends
 merged), ``[HANDOFF, identity, key, pickle(Handoff)]``, ``[LEASED, identity, key, pickle((prompt ids,
-lease id, Receipt, SamplingParams, whole)), *out-of-band buffers]``, ``[ABORT, identity, key]``.
+lease id, Receipt, SamplingParams, whole)), *out-of-band buffers]``, ``[RESERVE, identity, key,
+pickle(Reserve)]``, ``[ABORT, identity, key]``.
 """
 from __future__ import annotations
 
@@ -73,8 +80,8 @@ from storage.transfer import TransferError
 
 log = logging.getLogger("strata.token_channel")
 
-HELLO, ACK, ITEMS, PICKLED, ERROR, DONE = b"H", b"A", b"I", b"P", b"E", b"R"
-SUBMIT, HANDOFF, LEASED, ABORT = b"S", b"D", b"L", b"X"
+HELLO, ACK, ITEMS, PICKLED, ERROR, DONE, RESERVED = b"H", b"A", b"I", b"P", b"E", b"R", b"W"
+SUBMIT, HANDOFF, LEASED, ABORT, RESERVE = b"S", b"D", b"L", b"X", b"V"
 HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 1000, 5000
 """A client pings its worker's socket this often and counts it gone when no answer comes this long (a
 node lost without its TCP connections closing). libzmq's own I/O thread answers, so a worker busy in
@@ -100,7 +107,9 @@ class Handoff(NamedTuple):
     """A P/D request as its prefill worker receives it over the channel: the prompt, the lease it reserves
     on the decode worker (``res``, named by the ingress), and where the decode half's items go:
     ``decode_channel`` (the ingress's routing id on the decode worker's channel) under ``decode_key``;
-    ``decode_requests``: that channel's request endpoint, where the prefill worker sends the decode half."""
+    ``decode_requests``: that channel's request endpoint, where the prefill worker reserves the lease
+    (RESERVE) and sends the decode half (LEASED); ``decode_endpoint``: that channel's own address, where
+    the reserve's answer comes from ("": reserve with a Ray call)."""
     ids: list[int]
     params: SamplingParams
     whole: bool
@@ -108,6 +117,7 @@ class Handoff(NamedTuple):
     decode_channel: bytes
     decode_key: int
     decode_requests: str
+    decode_endpoint: str = ""
 
 
 class Leased(NamedTuple):
@@ -117,6 +127,13 @@ class Leased(NamedTuple):
     receipt: Any          # storage.transfer.Receipt (its ray_object payload's KV out of band)
     params: SamplingParams
     whole: bool
+
+
+class Reserve(NamedTuple):
+    """A lease asked of a decode worker over its channel (RESERVE): ``WorkerActor.reserve``'s arguments."""
+    prompt_len: int
+    sender: str
+    lease_id: str
 
 
 class Route(NamedTuple):
@@ -180,7 +197,8 @@ class ChannelServer:
     def __init__(self, host: str, on_request: Callable[[Route, Any, Any, bool], None] | None = None,
                  on_abort: Callable[[Route], None] | None = None,
                  on_handoff: Callable[[Route, Handoff], None] | None = None,
-                 on_leased: Callable[[Route, Leased], None] | None = None) -> None:
+                 on_leased: Callable[[Route, Leased], None] | None = None,
+                 on_reserve: Callable[[Route, Reserve], None] | None = None) -> None:
         self._ctx = zmq.Context(1)
         try:
             self._sock, self.endpoint = bind_random(self._ctx, zmq.ROUTER, host, ((zmq.ROUTER_HANDOVER, 1),))
@@ -196,7 +214,7 @@ class ChannelServer:
         # Requests over the channel: a PULL of its own, read by its own thread (blocked in recv, without
         # the GIL), so a request never waits on the ROUTER's shared socket and its lock.
         self.on_request, self.on_abort, self.on_handoff = on_request, on_abort, on_handoff
-        self.on_leased = on_leased
+        self.on_leased, self.on_reserve = on_leased, on_reserve
         self.requests_endpoint: str | None = None
         self.received_requests = 0
         if on_request is not None:
@@ -230,6 +248,10 @@ class ChannelServer:
         self._send(route, ERROR, _encoder.encode([route.key, type(e).__name__, str(e)[:2000],
                                                    getattr(e, "worker", "") if isinstance(e, PeerFailed) else ""]))
 
+    def send_reserved(self, route: Route, destination: Any) -> None:
+        """A RESERVE's answer: the leased pages (storage.transfer.Destination), to the client that asked."""
+        self._send(route, RESERVED, pickle.dumps((route.key, destination), protocol=pickle.HIGHEST_PROTOCOL))
+
     def send_done(self, route: Route) -> None:
         """A handed-off request's decode call is over (its last item is on the decode worker's channel)."""
         self._send(route, DONE, _encoder.encode(route.key))
@@ -240,6 +262,9 @@ class ChannelServer:
                 self._sock.send_multipart((route.channel, kind, payload), copy=False)
 
     def _serve_requests(self) -> None:
+        # The requests that are one pickled NamedTuple each: its type, and who takes it.
+        typed = {HANDOFF: (Handoff, self.on_handoff), LEASED: (Leased, self.on_leased),
+                 RESERVE: (Reserve, self.on_reserve)}
         while not self._closed.is_set():
             try:
                 frames = self._pull.recv_multipart()
@@ -257,28 +282,18 @@ class ChannelServer:
                         self.send_error(route, ValueError(f"request cannot be read: {e!r}"))
                         continue
                     self.on_request(route, ids, params, bool(whole))
-                elif kind == HANDOFF and len(frames) == 4 and self.on_handoff is not None:
+                elif kind in typed and len(frames) >= 4 and typed[kind][1] is not None:
+                    want, handler = typed[kind]
                     self.received_requests += 1
                     route = Route(channel, key)
-                    try:
-                        h = pickle.loads(frames[3])
-                        if not isinstance(h, Handoff):
-                            raise TypeError(f"expected a Handoff, got {type(h).__name__}")
-                    except Exception as e:  # noqa: BLE001 - refused, not dropped
+                    try:   # (a LEASED's receipt KV comes out of band, in the frames after it)
+                        x = pickle.loads(frames[3], buffers=frames[4:])
+                        if not isinstance(x, want):
+                            raise TypeError(f"expected a {want.__name__}, got {type(x).__name__}")
+                    except Exception as e:  # noqa: BLE001 - refused, not dropped: its sender waits for the answer
                         self.send_error(route, ValueError(f"request cannot be read: {e!r}"))
                         continue
-                    self.on_handoff(route, h)
-                elif kind == LEASED and len(frames) >= 4 and self.on_leased is not None:
-                    self.received_requests += 1
-                    route = Route(channel, key)
-                    try:
-                        d = pickle.loads(frames[3], buffers=frames[4:])
-                        if not isinstance(d, Leased):
-                            raise TypeError(f"expected a Leased, got {type(d).__name__}")
-                    except Exception as e:  # noqa: BLE001 - refused, not dropped: the ingress waits for it
-                        self.send_error(route, ValueError(f"request cannot be read: {e!r}"))
-                        continue
-                    self.on_leased(route, d)
+                    handler(route, x)
                 elif kind == ABORT and self.on_abort is not None:
                     self.on_abort(Route(channel, key))
                 else:
@@ -382,6 +397,20 @@ class ChannelClient:
         ``abort(key)`` here and ``abort(h.decode_key)`` there stop all of it."""
         self._send_request(HANDOFF, key, h)
 
+    async def reserve(self, r: Reserve, timeout: float) -> Any:
+        """Lease pages on this channel's (decode) worker: its answer, a storage.transfer.Destination. Raises
+        the worker's refusal as its kind (ValueError, MemoryError, TransferError), ChannelLost when the
+        worker's connection drops, asyncio.TimeoutError when no answer comes within ``timeout``."""
+        key, q = self.open()
+        try:
+            self._send_request(RESERVE, key, r)
+            x = await asyncio.wait_for(q.get(), timeout)
+        finally:
+            self.release(key)
+        if isinstance(x, BaseException):
+            raise x
+        return x
+
     def _send_request(self, kind: bytes, key: int, request: Any) -> None:
         if self._push is None:
             raise RuntimeError(f"token channel {self.endpoint}: opened without the worker's request endpoint")
@@ -428,6 +457,12 @@ class ChannelClient:
                     q = self._queues.get(msgspec.msgpack.decode(frames[1]))
                     if q is not None:
                         q.put_nowait(RETURNED)
+                    continue
+                if kind == RESERVED:
+                    key, destination = pickle.loads(frames[1])
+                    q = self._queues.get(key)
+                    if q is not None:
+                        q.put_nowait(destination)
                     continue
                 self.received_messages += 1
                 try:
@@ -558,4 +593,4 @@ async def request_items(q: asyncio.Queue, timeout: float, grace: float) -> Async
 
 
 __all__ = ["RETURNED", "ChannelClient", "ChannelLost", "ChannelServer", "Handoff", "Leased", "LeasedSender",
-           "Route", "StaleChannel", "decode_items", "encode_items", "remote_error", "request_items", "settle"]
+           "Reserve", "Route", "StaleChannel", "decode_items", "encode_items", "remote_error", "request_items", "settle"]

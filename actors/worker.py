@@ -20,11 +20,14 @@ from collections import OrderedDict
 from typing import AsyncIterator
 
 import ray
+import zmq
+import zmq.asyncio
 from ray.actor import ActorHandle
 
 from actors.ep_host import EPHost
 from actors.handoff import PeerFailed, Reservation, prefill_reserving
-from actors.token_channel import ChannelServer, Handoff, Leased, LeasedSender, Route, StaleChannel
+from actors.token_channel import (ChannelClient, ChannelLost, ChannelServer, Handoff, Leased, LeasedSender, Reserve,
+                                  Route, StaleChannel)
 from engine import Engine, EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine, StreamItem
 from storage.kv_events import (KVEventPublisher, KVEventsConfig, KVEventsEndpoint, StreamPosition, TreeEventStream,
@@ -62,15 +65,21 @@ class WorkerActor:
         # The token channel (actors/token_channel.py), on this node's address as the KV events are: the
         # items of the ingress's requests go out on it, one message per step and ingress replica, and its
         # requests to this worker alone come in on it (no Ray call: _channel_request), and so do the P/D
-        # requests it prefills (_channel_handoff), whose decode half it hands to the decode worker over that
-        # worker's channel (LEASED: _channel_leased there).
+        # requests it prefills (_channel_handoff), whose lease it reserves on the decode worker over that
+        # worker's channel (RESERVE: _channel_reserve there) and whose decode half it hands on there too
+        # (LEASED: _channel_leased there).
         self.channel = ChannelServer(channel_host(kv_events), on_request=self._channel_request,
                                      on_abort=self._channel_abort, on_handoff=self._channel_handoff,
-                                     on_leased=self._channel_leased)
+                                     on_leased=self._channel_leased, on_reserve=self._channel_reserve)
         self._loop: asyncio.AbstractEventLoop | None = None   # the actor's event loop (channel_endpoints)
         self._handoffs: dict[Route, asyncio.Task] = {}         # P/D requests from the channel, by route
         self._aborted: OrderedDict[Route, None] = OrderedDict()   # ABORTs that came before their request
         self.leased_out = LeasedSender()                      # decode halves to the decode workers
+        # This prefill worker's own channels to its decode workers (a DEALER each, made on the actor's loop
+        # at the first handoff to one), by (endpoint, requests endpoint): where its reserves go and their
+        # answers come from.
+        self._decode_channels: dict[tuple[str, str], asyncio.Task] = {}
+        self._zctx = None
         self.core.on_step = self.channel.send_step
         self.router = router
         self.report_interval = report_interval
@@ -112,6 +121,9 @@ class WorkerActor:
         self._stop.set()
         self.channel.close()
         self.leased_out.close()
+        for t in self._decode_channels.values():
+            if t.done() and not t.cancelled() and t.exception() is None:
+                t.result().close()
         if self.kv_events is not None:
             try:
                 self.kv_events.close()
@@ -347,7 +359,10 @@ class WorkerActor:
         return await self._prefill_to(ids, params, dest, notify)
 
     async def _prefill_to(self, ids: list[int], params: SamplingParams, dest: Destination | Reservation,
-                          notify: ActorHandle | str | None = None) -> tuple[StreamItem, Receipt | None]:
+                          notify: ActorHandle | str | None = None,
+                          via: tuple[str, str] | None = None) -> tuple[StreamItem, Receipt | None]:
+        """``prefill_to``; ``via``: the decode worker's channel (its endpoint and request endpoint), where
+        the reservation is made (RESERVE) instead of with a Ray call."""
         reserving = isinstance(dest, Reservation)
         decode = dest.decode if reserving else dest.worker_id
         if isinstance(notify, str) or (notify is None and reserving):
@@ -363,7 +378,7 @@ class WorkerActor:
         # never cancelled: whether it leased pages is known (and the end of the send told, below) only
         # once it has answered.
         prefilling = asyncio.ensure_future(self.core.prefill(ids, params))
-        leased = asyncio.ensure_future(self._reserve_on(handle, dest)) if reserving else None
+        leased = asyncio.ensure_future(self._reserve_on(handle, dest, via)) if reserving else None
         in_flight = False
         try:
             return await self._prefill_send(prefilling, dest, leased)
@@ -376,8 +391,12 @@ class WorkerActor:
                 if self.transfer.one_sided:
                     self._tell_ended_once_leased(told, dest.lease_id, leased)
 
-    async def _reserve_on(self, handle: ActorHandle, res: Reservation) -> Destination:
-        """``res`` leased on its decode worker (``handle``); its refusals as the ingress knows them."""
+    async def _reserve_on(self, handle: ActorHandle, res: Reservation,
+                          via: tuple[str, str] | None = None) -> Destination:
+        """``res`` leased on its decode worker (over its channel ``via``, else by a Ray call to ``handle``);
+        its refusals as the ingress knows them."""
+        if via is not None:
+            return await self._reserve_over(via, res)
         try:
             return await handle.reserve.remote(res.prompt_len, self.worker_id, lease_id=res.lease_id)
         except ray.exceptions.RayTaskError as e:
@@ -389,6 +408,43 @@ class WorkerActor:
             if isinstance(e, ray.exceptions.ActorDiedError) and self.peers.get(res.decode) is handle:
                 del self.peers[res.decode]   # for good: a worker of that id started later is another actor
             raise PeerFailed(f"decode worker {res.decode}: {str(e).splitlines()[0][:300]}", res.decode) from None
+
+    async def _reserve_over(self, via: tuple[str, str], res: Reservation) -> Destination:
+        """``res`` leased over the decode worker's channel: RESERVE on its request endpoint, the answer on
+        this worker's DEALER to it. A decode worker that is gone (its connection dropped, no hello, no
+        answer while a lease would last) is a PeerFailed naming it, as the Ray call's death would be."""
+        r = Reserve(res.prompt_len, self.worker_id, res.lease_id)
+        try:
+            client = await self._decode_channel(via)
+            return await client.reserve(r, self.tcfg.lease_seconds)
+        except (ChannelLost, StaleChannel, asyncio.TimeoutError, OSError, zmq.ZMQError) as e:
+            t = self._decode_channels.get(via)
+            if t is not None and (not t.done() or t.cancelled() or t.exception() is not None or t.result().closed):
+                self._decode_channels.pop(via, None)
+            raise PeerFailed(f"decode worker {res.decode}: reserve failed: {e!r}"[:400], res.decode) from None
+
+    async def _decode_channel(self, via: tuple[str, str]) -> ChannelClient:
+        """This worker's channel to the decode worker at ``via`` (made, and its hello answered, once; one
+        that dropped is made again)."""
+        t = self._decode_channels.get(via)
+        if t is not None and t.done() and (t.cancelled() or t.exception() is not None or t.result().closed):
+            if not t.cancelled() and t.exception() is None:
+                t.result().close()
+            t = None
+        if t is None:
+            t = self._decode_channels[via] = asyncio.ensure_future(self._open_decode_channel(via))
+        return await asyncio.shield(t)
+
+    async def _open_decode_channel(self, via: tuple[str, str]) -> ChannelClient:
+        if self._zctx is None:
+            self._zctx = zmq.asyncio.Context()
+        client = ChannelClient(self._zctx, via[0], f"{self.worker_id}/{uuid.uuid4().hex}".encode(), via[1])
+        try:
+            await client.ready(min(10.0, self.tcfg.lease_seconds))
+        except BaseException:
+            client.close()
+            raise
+        return client
 
     def _tell_ended_once_leased(self, decode: str | None, lease_id: str, leased: asyncio.Future | None) -> None:
         """Tell ``decode`` the send into ``lease_id`` is over, after its reserve answered (told before, the
@@ -510,7 +566,8 @@ class WorkerActor:
             self.channel.send_error(route, ValueError("handoff: expected SamplingParams and a Reservation"))
             return
         try:
-            first, rec = await self._prefill_to(h.ids, h.params, h.res)
+            first, rec = await self._prefill_to(h.ids, h.params, h.res, None,
+                                                (h.decode_endpoint, h.decode_requests) if h.decode_endpoint else None)
         except asyncio.CancelledError:
             return
         except Exception as e:  # noqa: BLE001 - said to the ingress, which raises it
@@ -527,6 +584,22 @@ class WorkerActor:
             self.channel.send_error(route, PeerFailed(f"decode worker {decode}: cannot hand on: {e!r}", decode))
         else:
             self.channel.send_done(route)
+
+    def _channel_reserve(self, route: Route, r: Reserve) -> None:
+        """A prefill worker's RESERVE over the channel (its request thread): ``reserve`` on the event loop,
+        its answer (or refusal) back to that worker's channel."""
+        if self._loop is None:   # cannot be: an ingress asked channel_endpoints before naming this worker
+            self.channel.send_error(route, RuntimeError("reserve before channel_endpoints"))
+            return
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._reserve_reply(route, r)))
+
+    async def _reserve_reply(self, route: Route, r: Reserve) -> None:
+        try:
+            dest = await self.reserve(r.prompt_len, r.sender, lease_id=r.lease_id)
+        except Exception as e:  # noqa: BLE001 - the prefill worker raises it, as it would the Ray call's
+            self.channel.send_error(route, e)
+        else:
+            self.channel.send_reserved(route, dest)
 
     def _channel_leased(self, route: Route, d: Leased) -> None:
         """A decode half over the channel (its request thread), from a prefill worker: on the event loop."""

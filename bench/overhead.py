@@ -88,9 +88,15 @@ What #37 changed, and what is left (after; README "Serving overhead" has both ta
   decode half goes prefill -> decode worker as one LEASED message on the decode worker's channel instead
   of the ``submit_leased`` Ray call. Profile (``--profile --configs 1p1d``, a ~3x slower machine): the
   workers' CPU per short request 38.1 -> 28.2 ms; Ray's share of it 17% -> 10%.
+- Then (session 22): the prefill worker reserves the lease over the decode worker's channel (RESERVE on
+  its request endpoint, the Destination back on the prefill worker's own DEALER to it), so no Ray call is
+  left on a request's path; Ray's share of the workers' CPU in the profile 9.3% -> 4.9% (what is left of
+  it is the workers' reports to the router, 20 a second each). The ingress replica runs the HTTP app on
+  Serve's own event loop (RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0, cluster/launch.py): no thread
+  hop per request and per item; the ingress's CPU per sequential request over the worker's 0.41-0.42 ->
+  0.36 (six alternating runs), ~12% less.
 - Left, 1P+1D: two engines' steps (the decode worker's own batches), the prefill worker's write-through of
-  every new prompt (as colocated), and one Ray call worker to worker (``reserve``, ~7% of the prefill
-  worker's CPU with the decode worker's side of it).
+  every new prompt (as colocated), the workers' reports (a Ray call every 50 ms each).
 - A slow reader (4 KB socket buffer, 3 s late, ~1 MB of SSE) does not hold others back: its output is
   buffered per client and the others' latency matches the prompt-reader case.
 """

@@ -25,6 +25,11 @@ RAY_ENV = {
     # (server.front serve_proxy; with haproxy, the fallback proxy Serve keeps beside HAProxy and the ingress
     # replica's own HTTP server load it too, where it changes nothing).
     "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "actors.lifecycle:proxy_middlewares",
+    # The ingress replica runs strata's HTTP app on its own event loop, not on a second loop in a second
+    # thread (Ray Serve's default, and what RAY_SERVE_THROUGHPUT_OPTIMIZED turns off): every request and
+    # every item crossed between the two threads, ~12% of the ingress's CPU per request (bench/overhead.py).
+    # The app never blocks its loop (no ray.get; Ray calls are awaited), so Serve's own work there is not held.
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
 }
 
 

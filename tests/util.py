@@ -88,3 +88,17 @@ def stop_processes_started_under(*markers: str, grace_s: float = 15.0) -> int:
         if not pids:
             break
     return found
+
+
+def wait_restarted(handle, timeout: float = 120.0) -> None:
+    """Wait until the restarted actor ``handle`` (a WorkerActor, ``max_restarts=-1``) answers ``start``
+    again: a new process, a new token channel. Ray raises RayActorError until it is back."""
+    import ray
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            ray.get(handle.start.remote(), timeout=60)
+            return
+        except ray.exceptions.RayActorError:
+            assert time.monotonic() < deadline, f"the actor was not back in {timeout:.0f} s"
+            time.sleep(0.5)

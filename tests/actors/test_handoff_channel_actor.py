@@ -1,7 +1,8 @@
 """A P/D request over the token channels against a real prefill and a real decode worker on a local Ray
 cluster (actors/ingress.RayBackend's ``handoff``, driven by KVHandoff, without Serve or a router): one
 HANDOFF to the prefill worker, no Ray call from the ingress; the first token from the prefill worker's
-channel, the rest from the decode worker's, equal to the engine's; a client that leaves mid-decode stops
+channel, the rest from the decode worker's, equal to the engine's, the lease reserved and the decode half
+handed on over the decode worker's channel (RESERVE, LEASED: no worker-to-worker Ray call); a client that leaves mid-decode stops
 the decode worker's request (the ingress ABORTs it there) and no lease stays, also when that ABORT overtakes
 the decode half the prefill worker sends (LEASED); a decode worker that
 dies mid-stream fails the request as that worker's (WorkerFailed naming it), a prefill worker that dies
@@ -19,6 +20,7 @@ from engine.model.loader import resolve_model_path
 
 ray = pytest.importorskip("ray")
 from actors.frontend import WorkerFailed  # noqa: E402
+from tests.util import wait_restarted  # noqa: E402
 from actors.handoff import KVHandoff  # noqa: E402
 
 SP = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=2)
@@ -54,14 +56,7 @@ def _leases(b) -> int:
 
 def _back_and_serving(b, handle) -> None:
     """``handle``'s worker, restarted (a new process, a new channel), serves the next handoff."""
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            ray.get(handle.start.remote(), timeout=60)
-            break
-        except ray.exceptions.RayActorError:
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
+    wait_restarted(handle)
     _wait_idle(b, 10.0)
     items = asyncio.run(_collect(KVHandoff(b).run([4, 5, 6], SamplingParams(max_new_tokens=4, ignore_eos=True),
                                                   "p0", "d0")))
@@ -81,6 +76,7 @@ def test_a_handed_off_request_equals_the_engine(backend):
     prompts = [[5, 6, 7], list(range(40)), [9] * 20]
     want = Engine.from_pretrained(path, page_size=16, num_pages=256).generate(prompts, SP)
     before = _lease_stats(b)
+    received = _received(b)
 
     async def main():   # concurrently, and each both ways: streamed and whole
         runs = [_collect(KVHandoff(b).run(p, SP, "p0", "d0", whole)) for p in prompts for whole in (False, True)]
@@ -97,6 +93,14 @@ def test_a_handed_off_request_equals_the_engine(backend):
     after = _lease_stats(b)   # each request leased its pages once and committed them: none cancelled
     assert (after.reserved - before.reserved, after.committed - before.committed) == (6, 6)
     assert after.cancelled == before.cancelled
+    # Each lease was reserved, and each decode half handed on, over the decode worker's channel (RESERVE and
+    # LEASED on its request endpoint): no Ray call from worker to worker.
+    assert _received(b) - received == 12
+
+
+def _received(b) -> int:
+    """Requests the decode worker's channel has taken in (RESERVE, LEASED, SUBMIT, HANDOFF)."""
+    return ray.get(b.workers["d0"].__ray_call__.remote(lambda w: w.channel.received_requests), timeout=30)
 
 
 def test_a_client_that_leaves_mid_decode_stops_it_on_the_decode_worker(backend):

@@ -17,6 +17,7 @@ from engine.model.loader import resolve_model_path
 
 ray = pytest.importorskip("ray")
 from actors.frontend import WorkerFailed  # noqa: E402
+from tests.util import wait_restarted  # noqa: E402
 
 SP = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=2)
 
@@ -97,14 +98,7 @@ def test_a_worker_killed_mid_stream_fails_it_and_the_next_request_uses_its_new_c
     with pytest.raises(WorkerFailed, match="dropped"):   # the channel's connection: no Ray call to fail
         asyncio.run(stream())
     assert time.monotonic() - t < 30
-    deadline = time.monotonic() + 120
-    while True:    # back: a new process, a new channel
-        try:
-            ray.get(w.start.remote(), timeout=60)
-            break
-        except ray.exceptions.RayActorError:
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
+    wait_restarted(w)    # back: a new process, a new channel
     assert ray.get(w.token_channel.remote()) != before
     items = asyncio.run(_collect(b.generate("w0", [4, 5, 6], SamplingParams(max_new_tokens=4, ignore_eos=True))))
     assert sum(len(i.token_ids) for i in items) == 4 and items[-1].finished

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from cluster.config import ClusterConfig, from_text
+from cluster.launch import RAY_ENV
 from tests.deploy.k8s_validation import (CRD_DIR, CRD_FILES, ROOT, crd_errors, crd_validator, errors,
                                          operator_errors)
 from tests.deploy.kustomize_lite import render
@@ -175,6 +176,7 @@ def test_configmap_cluster_yaml_loads_and_matches_the_pods(overlay):
         env = {e["name"]: e.get("value") for e in group["template"]["spec"]["containers"][0].get("env", [])}
         haproxy = cfg.server.front == "haproxy"
         assert env.get("RAY_SERVE_ENABLE_HA_PROXY", "0") == ("1" if haproxy else "0"), name
+        assert env.get("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD") == RAY_ENV["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"], name
         if haproxy:
             assert env["RAY_SERVE_CONTROLLER_CALLBACK_IMPORT_PATH"] == "actors.lifecycle:haproxy_no_route_is_starting"
         m = mounts(group)

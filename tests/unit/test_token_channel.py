@@ -571,3 +571,68 @@ def test_a_leased_decode_half_reaches_its_handler_with_its_kv_out_of_band():
     assert (p.prompt_len, p.offloaded_pages, p.offloaded_to) == (40, 2, "file://h/l3")
     for a, b in ((p.full, kv.full), (p.swa, kv.swa)):
         assert a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_a_reserve_over_the_channel_answers_the_destination_or_the_refusal_as_its_kind():
+    """RESERVE, from a prefill worker's channel to a decode worker's request endpoint: the handler gets the
+    lease's arguments and its answer (a Destination) comes back on the asker's DEALER alone; a refusal keeps
+    its kind (the pool full: MemoryError; a bad lease id: ValueError; TransferError), an unreadable RESERVE
+    is refused, no answer within the timeout is a TimeoutError, and a worker that goes away fails the
+    reserve at once (ChannelLost), not at its timeout."""
+    from actors.token_channel import Reserve
+    from storage.transfer import Destination, TransferError
+    got: list = []
+    refusals = {"d0/full": MemoryError("no room for 64 pages"), "d0/bad": ValueError("lease_id must start with"),
+                "d0/late": TransferError("the lease's time was used up")}
+    s = None
+
+    def on_reserve(route, r):
+        got.append((route, r))
+        if r.lease_id == "d0/silent":
+            return
+        if r.lease_id in refusals:
+            s.send_error(route, refusals[r.lease_id])
+        else:
+            s.send_reserved(route, Destination(r.lease_id, "ray_object", r.prompt_len, 16, [3, 4, 5], [5], 2, 29.5, "d0"))
+    s = ChannelServer("127.0.0.1", on_request=lambda *a: None, on_abort=lambda r: None, on_reserve=on_reserve)
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        c, other = await _requester(s, ctx), await _requester(s, ctx)
+        okey, oq = other.open()
+        # several at once: each answer goes to its own reserve
+        dests = await asyncio.gather(*(c.reserve(Reserve(40 + k, "p0", f"d0/l{k}"), 5) for k in range(3)))
+        errors = [await _raised(c.reserve(Reserve(40, "p0", lid), 5)) for lid in ("d0/full", "d0/bad", "d0/late")]
+        key, q = c.open()
+        c._push.send_multipart((b"V", c.identity, key.to_bytes(8, "little"), b"junk"))
+        unreadable = await asyncio.wait_for(q.get(), 5)
+        silent = await _raised(c.reserve(Reserve(1, "p0", "d0/silent"), 0.3))
+        assert oq.empty() and other.received_messages == 0   # nothing of c's went to the other client
+        pending = asyncio.ensure_future(c.reserve(Reserve(1, "p0", "d0/silent"), 30))
+        await asyncio.sleep(0.2)
+        s.close()
+        lost = await _raised(asyncio.wait_for(pending, 10))
+        c.close()
+        other.close()
+        ctx.term()
+        return dests, errors, unreadable, silent, lost
+    try:
+        dests, errors, unreadable, silent, lost = asyncio.run(main())
+    finally:
+        s.close()
+    assert [(d.lease_id, d.prompt_len, d.full_pages, d.swa_pages, d.worker_id) for d in dests] == \
+        [(f"d0/l{k}", 40 + k, [3, 4, 5], [5], "d0") for k in range(3)]
+    assert [type(e) for e in errors] == [MemoryError, ValueError, TransferError]
+    assert "no room" in str(errors[0]) and "time was used up" in str(errors[2])
+    assert isinstance(unreadable, ValueError) and "cannot be read" in str(unreadable)
+    assert isinstance(silent, asyncio.TimeoutError)
+    assert isinstance(lost, ChannelLost)
+    assert [r for _, r in got][:3] == [Reserve(40 + k, "p0", f"d0/l{k}") for k in range(3)]
+
+
+async def _raised(aw):
+    try:
+        await aw
+    except BaseException as e:  # noqa: BLE001 - what it raised is the result
+        return e
+    raise AssertionError("expected an exception")
