@@ -418,19 +418,18 @@ class WorkerActor:
             client = await self._decode_channel(via)
             return await client.reserve(r, self.tcfg.lease_seconds)
         except (ChannelLost, StaleChannel, asyncio.TimeoutError, OSError, zmq.ZMQError) as e:
-            t = self._decode_channels.get(via)
-            if t is not None and (not t.done() or t.cancelled() or t.exception() is not None or t.result().closed):
-                self._decode_channels.pop(via, None)
             raise PeerFailed(f"decode worker {res.decode}: reserve failed: {e!r}"[:400], res.decode) from None
 
     async def _decode_channel(self, via: tuple[str, str]) -> ChannelClient:
         """This worker's channel to the decode worker at ``via`` (made, and its hello answered, once; one
-        that dropped is made again)."""
+        that failed to open or dropped since is made again, and one of a restarted worker's old endpoints
+        closed: a handful of entries, one per decode worker)."""
+        for k, t in list(self._decode_channels.items()):
+            if t.done() and (t.cancelled() or t.exception() is not None or t.result().closed):
+                if not t.cancelled() and t.exception() is None:
+                    t.result().close()   # its sockets: the connection dropped, the client is ours to close
+                del self._decode_channels[k]
         t = self._decode_channels.get(via)
-        if t is not None and t.done() and (t.cancelled() or t.exception() is not None or t.result().closed):
-            if not t.cancelled() and t.exception() is None:
-                t.result().close()
-            t = None
         if t is None:
             t = self._decode_channels[via] = asyncio.ensure_future(self._open_decode_channel(via))
         return await asyncio.shield(t)

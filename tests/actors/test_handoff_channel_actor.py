@@ -139,6 +139,11 @@ def test_a_decode_worker_killed_mid_stream_fails_it_as_that_workers_failure(back
         asyncio.run(stream())
     assert e.value.workers == ("d0",) and time.monotonic() - t < 30
     _back_and_serving(b, d)
+    # The prefill worker reserved on the restarted decode worker over a new channel to it, and closed the
+    # one to the old process (whose connection dropped).
+    assert ray.get(b.workers["p0"].__ray_call__.remote(
+        lambda w: [(via, t.result().closed) for via, t in w._decode_channels.items()]), timeout=30) == \
+        [(tuple(ray.get(d.channel_endpoints.remote(), timeout=30)), False)]
 
 
 def test_a_prefill_worker_killed_mid_decode_does_not_stop_the_decode_half(backend):
