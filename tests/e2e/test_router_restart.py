@@ -22,7 +22,10 @@ from tests import numerics
 
 pytestmark = [pytest.mark.slow, pytest.mark.numerics]
 
-REBUILD_BOUND_S = 5.0
+# Seconds from the kill until the index equals the trees again. It counts the load's 6 remaining turns
+# after the kill too (the clients are joined first), which alone took ~4-5 s on a 2-core machine 3x slower
+# than the one 5.0 was set on (5.37 s there, CI at c9d5d2b): seconds, not the 60 s of a failed rebuild.
+REBUILD_BOUND_S = 10.0
 NEW = 6          # tokens generated per turn
 TURN = 48        # new prompt tokens per turn
 LOAD_TURNS = 8   # turns of each load client (the router is killed after their second)
