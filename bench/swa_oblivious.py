@@ -52,6 +52,10 @@ class ObliviousHostTier(HostTier):
                 self._unreserve(list(full))
         return ok
 
+    def write_many(self, pieces: list[tuple[Node, str]], then=None) -> None:
+        for node, c in pieces:   # one at a time, through ``write``: each copy reserves its own SWA room
+            self.write(node, c, then=then)
+
     def _copy_of(self, node: Node, c: str) -> list[int] | None:
         """The L2 pages of ``node``'s copy of ``c``: done, or in flight; None when there is none."""
         return node.l2[c] if node.l2[c] is not None else self._backing_up.get((node.id, c))

@@ -303,34 +303,37 @@ class Engine:
         logits = logits[:len(samplers)]
         toks, lps = sample(logits, [row_state(sq.req, self.eos_ids) for sq in samplers])
         outs: list[StepOutput] = []
-        for sq in seqs:
-            req = sq.req
-            req.num_computed = sq.end
-            key = "decode_tokens" if sq.n == 1 and req.output_ids else "prefill_tokens"
-            self.counters[key] += sq.n
-            if not sq.samples:
-                # A chunk of a longer prompt: its sliding KV before the window becomes the tree's now
-                # (evictable, matchable), not the request's until the prompt ends.
-                self.kv.commit(req, keep_end=False)
-        for i, (sq, tok) in enumerate(zip(samplers, toks)):
-            req = sq.req
-            if req.params.return_logits:
-                req.logits.append(logits[i].detach().cpu().clone())
-            req.output_ids.append(tok)
-            if req.matcher is not None:
-                req.matcher.consume(tok)
-            if lps[i] is not None:
-                req.logprobs.append(lps[i])
-            reason = self._stop_reason(req, tok)
-            if req.prefill_only and len(req.output_ids) == 1 and reason is None:
-                # Only a request that goes on elsewhere exports: one its first token ended hands nothing on.
-                req.kv_payload = export_kv(req, self.pools, self.geometry, self.cache.offloads_to)
-                reason = "prefill"
-            if reason is not None:
-                self._finish(req, reason)
-            elif len(req.output_ids) == 1:
-                self.kv.commit(req)   # the prompt is whole: cache it before decode slides past
-            outs.append(self._step_output(req, [tok], [lps[i]] if lps[i] is not None else [], reason))
+        # The step's new prompts are backed up to L2/L3 together when its commits are done (one copy
+        # and one store batch for all of them, storage/hicache/write.py).
+        with self.cache.batched_writes():
+            for sq in seqs:
+                req = sq.req
+                req.num_computed = sq.end
+                key = "decode_tokens" if sq.n == 1 and req.output_ids else "prefill_tokens"
+                self.counters[key] += sq.n
+                if not sq.samples:
+                    # A chunk of a longer prompt: its sliding KV before the window becomes the tree's now
+                    # (evictable, matchable), not the request's until the prompt ends.
+                    self.kv.commit(req, keep_end=False)
+            for i, (sq, tok) in enumerate(zip(samplers, toks)):
+                req = sq.req
+                if req.params.return_logits:
+                    req.logits.append(logits[i].detach().cpu().clone())
+                req.output_ids.append(tok)
+                if req.matcher is not None:
+                    req.matcher.consume(tok)
+                if lps[i] is not None:
+                    req.logprobs.append(lps[i])
+                reason = self._stop_reason(req, tok)
+                if req.prefill_only and len(req.output_ids) == 1 and reason is None:
+                    # Only a request that goes on elsewhere exports: one its first token ended hands nothing on.
+                    req.kv_payload = export_kv(req, self.pools, self.geometry, self.cache.offloads_to)
+                    reason = "prefill"
+                if reason is not None:
+                    self._finish(req, reason)
+                elif len(req.output_ids) == 1:
+                    self.kv.commit(req)   # the prompt is whole: cache it before decode slides past
+                outs.append(self._step_output(req, [tok], [lps[i]] if lps[i] is not None else [], reason))
         return outs
 
     def _step_output(self, req: Request, toks: list[int], lps: list, reason: str | None) -> StepOutput:

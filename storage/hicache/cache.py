@@ -330,6 +330,12 @@ class HiCache:
         ``spare_kept``: SWA interior pages only (RadixTree.evict)."""
         return self._l1.evict(component, n_pages, spare_kept)
 
+    def batched_writes(self):
+        """A context in which the write policy's background backups of inserted (or hit) nodes are gathered
+        and made when it ends, as one copy per component and one L3 batch (storage/hicache/write.py).
+        The engine's step holds one around its commits."""
+        return self._write.batched()
+
     def poll(self, block: bool = False) -> None:
         """Apply finished background copies and L3 reads (call between steps); ``block`` waits for all."""
         self.copier.poll(block)

@@ -17,13 +17,13 @@ from typing import Callable, Optional
 import kernels
 from storage.config import HiCacheConfig
 from storage.copier import Copier, Job, LayerFuture, wait_copies
-from storage.hicache.tier import free_pages
+from storage.hicache.tier import free_pages, pin_locks
 from storage.host import HostPool, HostPools
-from storage.pools import COMPONENTS, FULL, SWA, KVPools
+from storage.pools import COMPONENTS, SWA, KVPools
 from storage.radix import RadixTree
 from storage.radix.node import L1, L2, Node
 
-Then = Optional[Callable[[Node, str], None]]
+Then = Optional[Callable[[list[tuple[Node, str]]], None]]   # the pieces that got their L2 copy
 
 
 class HostTier:
@@ -47,9 +47,9 @@ class HostTier:
     # ---- L1 -> L2 --------------------------------------------------------------------------------
     def write(self, node: Node, c: str, sync: bool = False, then: Then = None) -> bool:
         """Copy ``node``'s L1 data of ``c`` into fresh L2 pages. In the background unless ``sync``
-        (write-back: the L1 pages are about to be freed); the node stays locked meanwhile. ``then(x, c)``
-        runs for every piece of the node that got its L2 copy. False for SWA data the tree does not keep
-        (``backs_up``)."""
+        (write-back: the L1 pages are about to be freed); the node stays locked meanwhile. ``then(pieces)``
+        runs once with every (piece of the node, ``c``) that got its L2 copy. False for SWA data the tree
+        does not keep (``backs_up``)."""
         if c == SWA and not self.backs_up(node):
             return node.l2[c] is not None
         if node.l1[c] is None or node.l2[c] is not None:
@@ -59,51 +59,91 @@ class HostTier:
                 return True
             self.copier.poll(block=True)
             return node.l2[c] is not None
-        host = self.pool(c)
         if not self.room(c, node.num_pages):
             return False
-        dst = host.allocator.alloc(node.num_pages)
-        src = list(node.l1[c])
-        l1 = self.l1.pool(c).flat()
-        self.stats["pages"]["L1->L2"] += node.num_pages
-        self.stats["bytes"]["L1->L2"] += node.num_pages * host.page_bytes
-        if sync:
-            kernels.l1_to_l2(l1, host.data, host.layout, src, dst, check=False)
-            wait_copies(l1)   # the L1 pages are freed next, and ``then`` may read the host copy
-            self.tree.set_l2(node, c, dst)
-            if then is not None:
-                then(node, c)
+        dst = self.pool(c).allocator.alloc(node.num_pages)
+        if not sync:
+            self._copy([node], c, dst, then)
             return True
-        locks = (FULL, SWA) if c == SWA else (FULL,)
-        for lc in locks:
-            self.tree.lock(node, lc)
-        self._backing_up[(node.id, c)] = dst
+        host, l1 = self.pool(c), self.l1.pool(c).flat()
+        self._count(c, node.num_pages)
+        kernels.l1_to_l2(l1, host.data, host.layout, list(node.l1[c]), dst, check=False)
+        wait_copies(l1)   # the L1 pages are freed next, and ``then`` may read the host copy
+        self.tree.set_l2(node, c, dst)
+        if then is not None:
+            then([(node, c)])
+        return True
+
+    def write_many(self, pieces: list[tuple[Node, str]], then: Then = None) -> None:
+        """``write`` in the background for each (node, component) of ``pieces``, with one copy per
+        component for all of them: a step's write-through of many short prompts is many small copies,
+        and a copy's fixed cost (its index tensors, a job, a completion) dwarfs a few pages' bytes.
+        ``then`` runs once per component with every piece that landed (the L3 write, one batch too)."""
+        for c in self.components:
+            nodes = [nd for nd, pc in pieces if pc == c and self._needs_copy(nd, c)]
+            total = sum(nd.num_pages for nd in nodes)
+            if not total:
+                continue
+            if self.room(c, total):
+                self._copy(nodes, c, self.pool(c).allocator.alloc(total), then)
+                continue
+            for nd in nodes:   # short of host room for all of them: each one as far as room goes
+                self.write(nd, c, then=then)
+
+    def _needs_copy(self, node: Node, c: str) -> bool:
+        return not node.removed and node.l1[c] is not None and node.l2[c] is None \
+            and (node.id, c) not in self._backing_up and (c != SWA or self.backs_up(node))
+
+    def _count(self, c: str, n: int) -> None:
+        self.stats["pages"]["L1->L2"] += n
+        self.stats["bytes"]["L1->L2"] += n * self.pool(c).page_bytes
+
+    def _copy(self, nodes: list[Node], c: str, dst: list[int], then: Then) -> None:
+        """One background copy of ``nodes``' L1 pages of ``c`` into ``dst`` (their page counts in order),
+        each node locked until it lands."""
+        host, l1 = self.pool(c), self.l1.pool(c).flat()
+        locks = pin_locks(c)
+        src: list[int] = []
+        parts = []
+        for nd in nodes:
+            part = dst[len(src):len(src) + nd.num_pages]
+            src += nd.l1[c]
+            for lc in locks:
+                self.tree.lock(nd, lc)
+            self._backing_up[(nd.id, c)] = part
+            # A match may split the node meanwhile: the object keeps the lower part, from ``nd.depth`` on.
+            parts.append((nd, nd.depth, part))
+        self._count(c, len(dst))
 
         def run(fut: LayerFuture) -> None:
             kernels.l1_to_l2(l1, host.data, host.layout, src, dst, check=False)
 
-        first = node.depth  # a match may split the node meanwhile: the object keeps the lower part
-
         def done() -> None:
-            del self._backing_up[(node.id, c)]
-            for lc in reversed(locks):
-                self.tree.unlock(node, lc)
-            x, unused = node, list(dst)
-            while fut.error is None and x is not None and x.parent is not None and not x.removed \
-                    and x.depth >= first:
-                part = dst[x.depth - first:x.end - first]
-                if x.l2[c] is None and x.l1[c] is not None:
-                    self.tree.set_l2(x, c, part)
-                    taken = set(part)
-                    unused = [p for p in unused if p not in taken]
-                    if then is not None:
-                        then(x, c)
-                x = x.parent
-            self.free(c, unused)
+            landed: list[tuple[Node, str]] = []
+            for nd, first, part in parts:
+                del self._backing_up[(nd.id, c)]
+                for lc in reversed(locks):
+                    self.tree.unlock(nd, lc)
+                self.free(c, self._land(nd, c, first, part, fut.error, landed))
+            if then is not None and landed:
+                then(landed)
 
         fut = LayerFuture({})
         self.copier.submit(Job(run, fut, done, tag=f"backup {c}", memory=True))
-        return True
+
+    def _land(self, node: Node, c: str, first: int, dst: list[int], error, landed: list) -> list[int]:
+        """Give each piece of the copied range that still wants it its part of ``dst`` (appended to
+        ``landed``); the pages no piece took, to free."""
+        x, unused = node, list(dst)
+        while error is None and x is not None and x.parent is not None and not x.removed and x.depth >= first:
+            part = dst[x.depth - first:x.end - first]
+            if x.l2[c] is None and x.l1[c] is not None:
+                self.tree.set_l2(x, c, part)
+                taken = set(part)
+                unused = [p for p in unused if p not in taken]
+                landed.append((x, c))
+            x = x.parent
+        return unused
 
     # ---- room --------------------------------------------------------------------------------------
     def room(self, c: str, n: int) -> bool:

@@ -12,10 +12,10 @@ import kernels
 from storage.copier import Copier, Job, LayerFuture
 from storage.hicache.prefetch import Prefetch
 from storage.hicache.prefetcher import Prefetcher
+from storage.hicache.tier import pin_locks
 from storage.l3 import l3_key
 from storage.l3.base import L3Store
 from storage.l3.config import L3Config
-from storage.pools import FULL, SWA
 from storage.radix import RadixTree
 from storage.radix.node import Node
 
@@ -38,35 +38,45 @@ class L3Tier:
         return self.store.batch_exists(keys)
 
     # ---- L2 -> L3 ----------------------------------------------------------------------------------
-    def write(self, node: Node, c: str, sync: bool = False) -> bool:
-        """Copy a node's L2 pages of ``c`` to L3 in the background (node pinned meanwhile)."""
-        tree, host = self.tree, self.l2.pool(c)
-        if node.removed or node.l2[c] is None or node.l3[c]:
-            return bool(node.l3[c])
-        locks = (FULL, SWA) if c == SWA else (FULL,)
-        for lc in locks:
-            tree.lock(node, lc)
-        keys = self.keys(node.keys, c)
-        pages = [host.page(p) for p in node.l2[c]]
-        first = node.depth
+    def write_many(self, pieces: list[tuple[Node, str]], then=None) -> None:
+        """Copy each (node, component)'s L2 pages to L3 in the background, all in one store batch (a
+        store call's fixed cost is paid once per step, not per prompt); each node pinned meanwhile.
+        ``then``: nothing is below L3."""
+        tree = self.tree
+        pieces = [(nd, c) for nd, c in pieces if not nd.removed and nd.l2[c] is not None and not nd.l3[c]]
+        if not pieces:
+            return
+        keys: list[str] = []
+        pages: list = []
+        spans = []
+        for nd, c in pieces:
+            for lc in pin_locks(c):
+                tree.lock(nd, lc)
+            host = self.l2.pool(c)
+            # A match may split the node meanwhile: the object keeps the lower part, from ``nd.depth`` on.
+            k = self.keys(nd.keys, c)
+            spans.append((nd, c, nd.depth, len(keys), len(keys) + len(k)))
+            keys += k
+            pages += [host.page(p) for p in nd.l2[c]]
         result: list[bool] = []
 
         def run(fut: LayerFuture) -> None:
             result.extend(self.store.batch_set(keys, pages))
 
         def done() -> None:
-            for lc in reversed(locks):
-                tree.unlock(node, lc)
-            ok = len(result) == len(keys) and all(result)
-            self.stats["written_pages" if ok else "write_failures"] += len(keys)
-            x = node  # a match may have split the node: mark every piece of the written range
-            while ok and x is not None and x.parent is not None and not x.removed and x.depth >= first:
-                if not x.l3[c]:
-                    tree.set_l3(x, c, True)   # setting the flag never frees anything
-                x = x.parent
+            whole = len(result) == len(keys)
+            for nd, c, first, a, b in spans:
+                for lc in reversed(pin_locks(c)):
+                    tree.unlock(nd, lc)
+                ok = whole and all(result[a:b])
+                self.stats["written_pages" if ok else "write_failures"] += b - a
+                x = nd  # mark every piece of the written range
+                while ok and x is not None and x.parent is not None and not x.removed and x.depth >= first:
+                    if not x.l3[c]:
+                        tree.set_l3(x, c, True)   # setting the flag never frees anything
+                    x = x.parent
 
-        self.copier.submit(Job(run, LayerFuture({}), done, tag=f"l3 write {c}"))
-        return True
+        self.copier.submit(Job(run, LayerFuture({}), done, tag="l3 write"))
 
     # ---- L3 -> L2 ------------------------------------------------------------------------------------
     def read_pages(self, host, keys: list[str], pages: list[int]) -> int:
@@ -125,3 +135,4 @@ class L3Tier:
     def close(self) -> None:
         self.prefetcher.close()
         self.store.close()
+

@@ -11,6 +11,8 @@ cache on): that one is the radix tree over L1, with no L2 or L3; a NoCache has n
 """
 from __future__ import annotations
 
+import contextlib
+
 from storage.hicache.hit import PrefixHit
 from storage.hicache.tier import NoCopier
 
@@ -39,6 +41,9 @@ class NoCache:
         """Never reached with a real hit (none is ever made here); kept so a caller need not ask."""
 
     # ---- background work -------------------------------------------------------------------------
+    def batched_writes(self) -> contextlib.nullcontext:
+        return contextlib.nullcontext()   # nothing is ever written below L1
+
     def poll(self, block: bool = False) -> None:
         pass
 

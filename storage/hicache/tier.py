@@ -1,24 +1,26 @@
 """The one interface the tiers below L1 share, and the objects that stand in for an absent one.
 
 L2 (``HostTier``, storage/hicache/host_tier.py) and L3 (``L3Tier``, storage/hicache/l3_tier.py) each
-take a node's data of one component from the tier above (``write``), hold pages outside the tree while
-copies are in flight (``owners``, for check_integrity), run background work (``poll`` / ``busy``) and
-report what they hold (``usage``). ``NoTier`` is a tier that holds nothing: a cache without L2 or L3
-carries one instead of ``None``, so no caller asks "is there a tier?" before every call.
+take nodes' data from the tier above (``write_many``: (node, component) pieces, as one batch), hold
+pages outside the tree while copies are in flight (``owners``, for check_integrity), run background work
+(``poll`` / ``busy``) and report what they hold (``usage``). ``NoTier`` is a tier that holds nothing: a
+cache without L2 or L3 carries one instead of ``None``, so no caller asks "is there a tier?" before every
+call.
 """
 from __future__ import annotations
 
 from typing import Protocol
 
-from storage.pools import KVPools
+from storage.pools import FULL, SWA, KVPools
 from storage.radix.node import L1, Freed, Node
 
 
 class Tier(Protocol):
     present: bool
 
-    def write(self, node: Node, c: str, sync: bool = False) -> bool:
-        """Back up ``node``'s data of component ``c`` from the tier above; whether it is (or will be) held."""
+    def write_many(self, pieces: list[tuple[Node, str]], then=None) -> None:
+        """Back up each (node, component) of ``pieces`` from the tier above, in the background and in one
+        batch; ``then(landed)`` with the pieces that got their copy (the write to the next tier)."""
 
     def poll(self, block: bool = False) -> None: ...
 
@@ -37,8 +39,8 @@ class NoTier:
 
     present = False
 
-    def write(self, node: Node, c: str, sync: bool = False) -> bool:
-        return False
+    def write_many(self, pieces: list[tuple[Node, str]], then=None) -> None:
+        pass
 
     def poll(self, block: bool = False) -> None:
         pass
@@ -99,6 +101,12 @@ class NoCopier:
 
     def close(self) -> None:
         pass
+
+
+def pin_locks(c: str) -> tuple[str, ...]:
+    """The tree locks that pin a node's data of component ``c`` while a copy reads or writes it (an SWA
+    lock needs the full one)."""
+    return (FULL, SWA) if c == SWA else (FULL,)
 
 
 def free_pages(freed: Freed, l1: KVPools, l2) -> None:
