@@ -23,9 +23,10 @@ class Prefetcher:
 
     # ---- engine thread ----------------------------------------------------------------------------
     def begin(self, keys: list[bytes], now: float) -> Optional[Prefetch]:
-        """Start fetching what L3 holds of ``keys`` past the tree's L1/L2 prefix; None if nothing can be."""
+        """Start fetching what L3 holds of ``keys`` past the tree's L1/L2 prefix; None if nothing can be,
+        or if that is shorter than ``prefetch_min_tokens`` (recomputed, not waited for)."""
         start = l12_depth(self.tree, keys)
-        if start >= len(keys):
+        if start >= len(keys) or (len(keys) - start) * self.page_size < self.cfg.prefetch_min_tokens:
             return None
         pf = Prefetch(list(keys), start, self.cfg.prefetch_deadline(now, (len(keys) - start) * self.page_size))
         self.live.add(pf)

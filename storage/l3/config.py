@@ -147,6 +147,10 @@ class L3Config:
     prefetch_timeout_base: float = 1.0
     prefetch_timeout_per_ki_token: float = 0.25
     prefetch_batch_pages: int = 16    # pages per batch_get: what has arrived grows by this much at a time
+    # A request looks in L3 only for at least this many tokens past what L1/L2 hold (SGLang's HiCache
+    # prefetch threshold, 256 by default there too): a shorter run is cheaper to recompute than to wait a
+    # store lookup for, and every lookup holds its request back at least one schedule.
+    prefetch_min_tokens: int = 256
     mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
     nixl: NixlConfig = field(default_factory=NixlConfig)
 
@@ -169,6 +173,7 @@ class L3Config:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
             raise ValueError(f"L3Config.prefetch_timeout_per_ki_token must be a number >= 0, got {v!r}")
         _int(self, "prefetch_batch_pages", 1)
+        _int(self, "prefetch_min_tokens", 0)
         _section(self, "mooncake", MooncakeConfig)
         _section(self, "nixl", NixlConfig)
 

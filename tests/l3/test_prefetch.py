@@ -133,6 +133,8 @@ def test_config_validation():
         L3Config(prefetch_timeout_base=0)
     with pytest.raises(ValueError, match="prefetch_timeout_per_ki_token"):
         L3Config(prefetch_timeout_per_ki_token=-1)
+    with pytest.raises(ValueError, match="prefetch_min_tokens"):
+        L3Config(prefetch_min_tokens=-1)
     cfg = L3Config(prefetch_timeout_base=2.0, prefetch_timeout_per_ki_token=0.5)
     assert cfg.prefetch_deadline(100.0, 4096) == pytest.approx(104.0)
 
@@ -148,6 +150,25 @@ def test_whole_prefix_from_l3(policy, written, l3dir, ref):
     assert got.cached_tokens_by_tier == {"L1": 0, "L2": 0, "L3": PS * (len(prompt) // PS)}
     assert b.stats()["cache"]["usage"]["L3"]["prefetch_pages_taken"] == len(prompt) // PS
     _done(b)
+
+
+def test_a_run_past_l1_l2_shorter_than_prefetch_min_tokens_is_recomputed_not_looked_up(written, l3dir):
+    """L3 holds the first 256 tokens (a kept window ends there). Past an empty L1/L2 that is too short to
+    wait a lookup for under prefetch_min_tokens=512: the request starts at once and computes it. At 256
+    it is looked up and read."""
+    _, prompt, _, _ = written
+    turn = prompt[:16 * PS] + [5] * 8
+    for min_tokens, started, from_l3 in ((512, 0, 0), (256, 1, 16 * PS)):
+        b = _engine(l3dir, prefetch_min_tokens=min_tokens)
+        r = b.add_request(turn, SP)
+        b.step()
+        assert b.requests[r].status is not Status.WAITING or started   # not held back for a lookup
+        while b.has_unfinished():
+            b.step()
+        out = b.pop_finished(r)
+        assert b.cache.l3.prefetcher.stats["started"] == started
+        assert out.cached_tokens_by_tier["L3"] == from_l3, (min_tokens, out.cached_tokens_by_tier)
+        _done(b)
 
 
 @pytest.mark.numerics
@@ -308,7 +329,8 @@ def test_prefetch_starts_while_queued_behind_others(written, l3dir, ref):
     r = b.add_request(turn2, SP)
     b.step()
     assert b.requests[r].status is Status.WAITING   # behind the full batch, its read already under way
-    assert b.requests[r].prefetch is not None and b.cache.l3.prefetcher.stats["started"] == 2
+    # Only its read: the 40-token one is shorter than prefetch_min_tokens and never looked in L3.
+    assert b.requests[r].prefetch is not None and b.cache.l3.prefetcher.stats["started"] == 1
     while b.requests[r].status is not Status.FINISHED:
         b.step()
         b.check_integrity()

@@ -103,7 +103,7 @@ def test_killed_master_means_misses_until_the_service_restarts_it(mooncake_maste
     it and L3 serves again."""
     from storage.l3.mooncake import free_port
 
-    l3 = L3Config(backend="mooncake", capacity_bytes=64 << 20, prefetch_policy="wait_complete",
+    l3 = L3Config(backend="mooncake", capacity_bytes=64 << 20, prefetch_policy="wait_complete", prefetch_min_tokens=0,
                   mooncake=dict(master_addr=f"127.0.0.1:{free_port()}", **MOONCAKE_TEST))
     svc = StorageService(l3, log_dir=str(tmp_path))
     wcfg = svc.worker_config()
