@@ -28,6 +28,14 @@ WORKER_TIERS = {GPU: "L1", CPU: "L1", CPU_PINNED: "L2"}
 L3_TIERS = {DISK: "L3", EXTERNAL: "L3"}
 
 
+class ReportReply(NamedTuple):
+    """The router's answer to a worker's report: ``ignored`` (a removed worker: nothing was recorded),
+    ``resync`` (its stream lost history here: publish a snapshot)."""
+
+    ignored: bool = False
+    resync: bool = False
+
+
 class Route(NamedTuple):
     """The router's choice for one prompt: its prefill worker, its decode worker (None: the prefill
     worker is colocated and decodes too), and the prompt pages it expects cached there: in all, and by

@@ -8,11 +8,12 @@ sees everything the worker published before it. A restarted router starts empty:
 worker makes it follow that stream from seq 0 (the replay), and a stream whose replay no longer reaches
 back answers ``resync`` (the worker then publishes a snapshot of its tree); the L3 store is asked by name.
 
-``route`` has two doors: the Ray method, and the route channel (actors/route_channel.py), a ZMQ ROUTER on
-this node that a thread of this actor serves, which the ingress replicas use (a Ray call costs ~1 ms of
-round trip and ~0.3 ms of CPU each side; the decision ~0.05 ms). The Ray methods run one at a time on
-Ray's thread, the channel's on its own: one lock guards the state (``core`` and ``feed``) for both, held
-only while the state is read or changed, never across a Ray call. A restarted router binds anew:
+``route`` and ``report`` have two doors: the Ray method, and the route channel (actors/route_channel.py),
+a ZMQ ROUTER on this node that a thread of this actor serves, which the ingress replicas route through and
+the workers report through (a Ray call costs ~1 ms of round trip and ~0.3 ms of CPU each side; the
+decision ~0.05 ms). The Ray methods run one at a time on Ray's thread, the channel's on its own: one lock
+guards the state (``core`` and ``feed``) for both, held only while the state is read or changed, never
+across a Ray call. A restarted router binds anew:
 ``route_endpoint`` says where, and callers that lost the old one ask again.
 """
 from __future__ import annotations
@@ -20,11 +21,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import ray
 
-from actors.prefix_router import Route, Router
+from actors.prefix_router import ReportReply, Route, Router
 from actors.route_channel import RouteServer
 from actors.routing import L3_WORKER, Overlap, RouterConfig
 from storage.geometry import KVGeometry
@@ -40,14 +41,6 @@ published fewer batches than this; a longer one is rebuilt from a snapshot (one 
 RESTART_WARMUP_S = 0.25
 """A restarted router routes nothing for this long: every worker reports (every 50 ms by default) and its
 stream is replayed, or its snapshot asked, meanwhile."""
-
-
-class ReportReply(NamedTuple):
-    """The router's answer to a report: ``ignored`` (a removed worker: nothing was recorded), ``resync``
-    (its stream lost history here: publish a snapshot)."""
-
-    ignored: bool = False
-    resync: bool = False
 
 
 @ray.remote(max_restarts=-1, max_task_retries=-1)
@@ -67,9 +60,10 @@ class PrefixRouterActor:
         self.storage = storage
         self.namespace = ctx.namespace
         try:
-            self.channel: RouteServer | None = RouteServer(host or ray.util.get_node_ip_address(), self.route)
-        except Exception as e:  # noqa: BLE001 - routes still go over Ray: slower, not wrong
-            log.warning("no route channel (routes go over Ray only): %s", e)
+            self.channel: RouteServer | None = RouteServer(host or ray.util.get_node_ip_address(), self.route,
+                                                           self.report)
+        except Exception as e:  # noqa: BLE001 - routes and reports still go over Ray: slower, not wrong
+            log.warning("no route channel (routes and reports go over Ray only): %s", e)
             self.channel = None
 
     def route_endpoint(self) -> str | None:
@@ -194,4 +188,5 @@ class PrefixRouterActor:
                     "kv_events_feed": {**self.feed.stats()._asdict(),
                                        "next_seq": {name: self.feed.next_seq(name) for name in followed}},
                     "route_channel": {"endpoint": self.route_endpoint(),
-                                      "answered": self.channel.answered if self.channel is not None else 0}}
+                                      "answered": self.channel.answered if self.channel is not None else 0,
+                                      "reports": self.channel.reports if self.channel is not None else 0}}

@@ -4,8 +4,9 @@ a colocated worker serves through an expert-parallel group whose rank 0 it is (a
 Each worker publishes its tree's KV events, L1 and L2, on the field's KV-event wire (storage/kv_events/:
 its own ZMQ PUB + replay sockets; ``kv_events_endpoint()`` says where), which is what the router's index
 reads, and forwards its L3 writes to the L3 store's publisher. Every ``report_interval`` seconds it reports
-its load to the router with where its stream stands; the first report after a (re)start says ``fresh`` so
-the router forgets what a previous incarnation held and reads the new stream from its start.
+its load to the router with where its stream stands, over the router's route channel (no Ray call; over
+Ray while the channel is down); the first report after a (re)start says ``fresh`` so the router forgets
+what a previous incarnation held and reads the new stream from its start.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from ray.actor import ActorHandle
 
 from actors.ep_host import EPHost
 from actors.handoff import PeerFailed, Reservation, prefill_reserving
+from actors.route_channel import ChannelDown, ReportClient
 from actors.token_channel import (ChannelClient, ChannelLost, ChannelServer, Handoff, Leased, LeasedSender, Reserve,
                                   Route, StaleChannel)
 from engine import Engine, EngineConfig, SamplingParams
@@ -38,6 +40,7 @@ from storage.transfer.sends import SendRecord
 
 log = logging.getLogger("strata.worker")
 MAX_EARLY_ABORTS = 4096   # routes whose ABORT came before their decode half, kept to refuse it (oldest go)
+REPORT_CHANNEL_RETRY_S = 2.0   # how often a worker reporting over Ray asks the router for its channel again
 
 
 @ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=1000)
@@ -83,6 +86,10 @@ class WorkerActor:
         self.core.on_step = self.channel.send_step
         self.router = router
         self.report_interval = report_interval
+        # The report thread's own DEALER to the router's route channel (no Ray call per report); None
+        # until opened, or after it was lost (reports then go over Ray until it is opened again).
+        self._reports: ReportClient | None = None
+        self._reports_tried = float("-inf")
         # A thread, started here, so a restarted actor reports again without anyone calling it.
         self._stop = threading.Event()
         self._flush_ack: threading.Event | None = None   # set once a report told the router of a flush
@@ -220,8 +227,7 @@ class WorkerActor:
                         log.warning("forwarding L3 events failed: %r", e)
                 if self.router is not None:
                     position = self.kv_events.position() if self.kv_events is not None else None
-                    reply = ray.get(self.router.report.remote(self.worker_id, self.role, self.core.load(), fresh,
-                                                              position, self._l3_position), timeout=10)
+                    reply = self._report(fresh, position)
                     fresh, resync = reply.ignored, reply.resync
                 if flushed is not None:
                     flushed.set()
@@ -229,6 +235,26 @@ class WorkerActor:
                 log.warning("report to router failed: %r", e)
                 fresh = True
                 self._flush_ack = self._flush_ack or flushed
+        if self._reports is not None:
+            self._reports.close()
+
+    def _report(self, fresh: bool, position: StreamPosition | None):
+        """One report to the router: over its route channel, or over Ray while there is none (the router
+        has none, or it was lost: a restarted router binds anew, so its endpoint is asked again, at most
+        every REPORT_CHANNEL_RETRY_S). Returns its ReportReply."""
+        args = (self.worker_id, self.role, self.core.load(), fresh, position, self._l3_position)
+        now = time.monotonic()
+        if self._reports is None and now - self._reports_tried >= REPORT_CHANNEL_RETRY_S:
+            self._reports_tried = now
+            endpoint = ray.get(self.router.route_endpoint.remote(), timeout=10)
+            self._reports = ReportClient(endpoint) if endpoint else None
+        if self._reports is not None:
+            try:
+                return self._reports.report(*args)
+            except ChannelDown as e:
+                log.warning("report over the route channel failed, sent over Ray: %s", e)
+                self._reports = None
+        return ray.get(self.router.report.remote(*args), timeout=10)
 
     def _transfer_loop(self) -> None:
         """The P/D upkeep nobody calls for: on the decode side, expire leases and ask the senders of

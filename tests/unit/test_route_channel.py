@@ -3,7 +3,9 @@ Router, RouteClients on an asyncio loop. Answers equal the Router's own (load co
 errors come back by kind (NoWorkerError retried by the ingress, the rest a RouterError naming the
 router), concurrent requests get their own answers, and a channel that cannot answer (the server gone,
 an endpoint nobody listens on, a route that takes too long) says ChannelDown, promptly where the
-connection is seen to be lost, so the ingress asks over Ray instead of hanging."""
+connection is seen to be lost, so the ingress asks over Ray instead of hanging. A worker's reports
+(ReportClient) reach the router's ``report`` whole (stream positions typed) and its answer comes back; a
+router gone or silent is ChannelDown, so the worker reports over Ray instead."""
 from __future__ import annotations
 
 import asyncio
@@ -17,10 +19,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from actors.prefix_router import Route, Router
-from actors.route_channel import ChannelDown, RouteClient, RouteServer, RouterError, answer, decode_reply, encode_request
+from actors.prefix_router import ReportReply, Route, Router
+from actors.route_channel import (ChannelDown, ReportClient, RouteClient, RouteServer, RouterError, answer,
+                                  decode_reply, encode_request)
 from actors.routing import NoWorkerError, RouterConfig
 from storage.geometry import KVGeometry
+from storage.kv_events.publisher import KVEventsEndpoint, StreamPosition
 from storage.kv_events.subscriber import Delivered
 from storage.kv_events.wire import GPU, BlockStored, EventBatch
 from tests.util import free_port
@@ -129,9 +133,10 @@ def test_a_request_that_does_not_decode_is_answered_as_a_value_error():
 
 
 def _serve_slowly(endpoint_out) -> None:
-    """A router process whose routes take 60 s (killed by the test before any answers)."""
+    """A router process whose routes and reports take 60 s (killed by the test before any answers)."""
     router = _router({"c0": "colocated"})
-    server = RouteServer(HOST, lambda keys, n, avoid: (time.sleep(60), router.route(keys, n, time.monotonic(), avoid))[1])
+    server = RouteServer(HOST, lambda keys, n, avoid: (time.sleep(60), router.route(keys, n, time.monotonic(), avoid))[1],
+                         lambda *a: (time.sleep(60), ReportReply())[1])
     endpoint_out.put(server.endpoint)
     time.sleep(120)
 
@@ -186,3 +191,69 @@ def test_an_endpoint_nobody_listens_on_fails_fast_and_a_silent_one_times_out():
             c.close()
             silent.close()
     asyncio.run(main())
+
+
+def test_reports_reach_the_routers_report_whole_and_its_answer_comes_back():
+    got = []
+
+    def report(worker, role, load, fresh, stream, l3):
+        got.append((worker, role, load, fresh, stream, l3))
+        if worker == "bad":
+            raise KeyError("nope")
+        return ReportReply(ignored=worker == "gone", resync=fresh)
+    server = RouteServer(HOST, lambda *a: None, report)
+    c = ReportClient(server.endpoint, timeout=5)
+    pos = StreamPosition(KVEventsEndpoint("kv@c0", "tcp://10.0.0.1:5557", "tcp://10.0.0.1:6557"), 41)
+    l3 = StreamPosition(KVEventsEndpoint("kv@L3", "tcp://10.0.0.2:5557", "tcp://10.0.0.2:6557"), -1)
+    load = {"running": 3, "free_pages": 90, "kv_moved_bytes": {"L1->L2": 8192, "L2->L1": 0}}
+    try:
+        assert c.report("c0", "colocated", load, True, pos, l3) == ReportReply(ignored=False, resync=True)
+        assert c.report("gone", "prefill", {}, False, None, None) == ReportReply(ignored=True, resync=False)
+        with pytest.raises(RouterError, match=rf"router at {server.endpoint}: KeyError"):
+            c.report("bad", "decode", {}, False, None, None)
+        assert not c.closed   # an error is an answer: the channel stays
+    finally:
+        c.close()
+        server.close()
+    assert got[0] == ("c0", "colocated", load, True, pos, l3)
+    assert type(got[0][4]) is StreamPosition and type(got[0][4].endpoint) is KVEventsEndpoint
+    assert [g[0] for g in got] == ["c0", "gone", "bad"] and server.reports == 3 and server.answered == 0
+    plain = RouteServer(HOST, lambda *a: None)   # a channel made without ``report``: an error, not a hang
+    c = ReportClient(plain.endpoint, timeout=5)
+    try:
+        with pytest.raises(RouterError, match="takes no reports"):
+            c.report("c0", "colocated", {}, False, None, None)
+    finally:
+        c.close()
+        plain.close()
+
+
+def test_a_report_to_a_router_gone_or_silent_is_channel_down_and_closes_the_client():
+    mp = multiprocessing.get_context("spawn")
+    q = mp.Queue()
+    proc = mp.Process(target=_serve_slowly, args=(q,), daemon=True)
+    proc.start()
+    try:
+        endpoint = q.get(timeout=60)
+        c = ReportClient(endpoint, timeout=30)
+        threading.Timer(0.5, os.kill, (proc.pid, signal.SIGKILL)).start()   # while its report waits
+        t = time.monotonic()
+        with pytest.raises(ChannelDown, match="lost"):
+            c.report("c0", "colocated", {}, False, None, None)
+        assert time.monotonic() - t < 10 and c.closed   # not the 30 s timeout
+        with pytest.raises(ChannelDown, match="closed"):
+            c.report("c0", "colocated", {}, False, None, None)
+    finally:
+        proc.kill()
+        proc.join(10)
+    silent = zmq.Context.instance().socket(zmq.ROUTER)   # takes the connection, never answers (hung)
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port(f"tcp://{HOST}")
+    c = ReportClient(f"tcp://{HOST}:{port}", timeout=0.3)
+    try:
+        with pytest.raises(ChannelDown, match="no answer to a report in 0.3s"):
+            c.report("c0", "colocated", {}, False, None, None)
+        assert c.closed
+    finally:
+        c.close()
+        silent.close()
