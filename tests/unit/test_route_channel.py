@@ -9,6 +9,7 @@ router gone or silent is ChannelDown, so the worker reports over Ray instead."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -141,14 +142,22 @@ def _serve_slowly(endpoint_out) -> None:
     time.sleep(120)
 
 
-def test_a_router_process_that_dies_fails_its_pending_requests_at_once():
+@contextlib.contextmanager
+def _slow_router_process():
+    """(the process, its endpoint) of ``_serve_slowly`` in a spawned process, killed at the end."""
     mp = multiprocessing.get_context("spawn")
     q = mp.Queue()
     proc = mp.Process(target=_serve_slowly, args=(q,), daemon=True)
     proc.start()
     try:
-        endpoint = q.get(timeout=60)
+        yield proc, q.get(timeout=60)
+    finally:
+        proc.kill()
+        proc.join(10)
 
+
+def test_a_router_process_that_dies_fails_its_pending_requests_at_once():
+    with _slow_router_process() as (proc, endpoint):
         async def main():
             c = RouteClient(zmq.asyncio.Context.instance(), endpoint, timeout=30)
             try:
@@ -165,9 +174,6 @@ def test_a_router_process_that_dies_fails_its_pending_requests_at_once():
             finally:
                 c.close()
         asyncio.run(main())
-    finally:
-        proc.kill()
-        proc.join(10)
 
 
 def test_an_endpoint_nobody_listens_on_fails_fast_and_a_silent_one_times_out():
@@ -229,12 +235,7 @@ def test_reports_reach_the_routers_report_whole_and_its_answer_comes_back():
 
 
 def test_a_report_to_a_router_gone_or_silent_is_channel_down_and_closes_the_client():
-    mp = multiprocessing.get_context("spawn")
-    q = mp.Queue()
-    proc = mp.Process(target=_serve_slowly, args=(q,), daemon=True)
-    proc.start()
-    try:
-        endpoint = q.get(timeout=60)
+    with _slow_router_process() as (proc, endpoint):
         c = ReportClient(endpoint, timeout=30)
         threading.Timer(0.5, os.kill, (proc.pid, signal.SIGKILL)).start()   # while its report waits
         t = time.monotonic()
@@ -243,9 +244,6 @@ def test_a_report_to_a_router_gone_or_silent_is_channel_down_and_closes_the_clie
         assert time.monotonic() - t < 10 and c.closed   # not the 30 s timeout
         with pytest.raises(ChannelDown, match="closed"):
             c.report("c0", "colocated", {}, False, None, None)
-    finally:
-        proc.kill()
-        proc.join(10)
     silent = zmq.Context.instance().socket(zmq.ROUTER)   # takes the connection, never answers (hung)
     silent.setsockopt(zmq.LINGER, 0)
     port = silent.bind_to_random_port(f"tcp://{HOST}")
