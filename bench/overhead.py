@@ -95,8 +95,13 @@ What #37 changed, and what is left (after; README "Serving overhead" has both ta
   Serve's own event loop (RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0, cluster/launch.py): no thread
   hop per request and per item; the ingress's CPU per sequential request over the worker's 0.41-0.42 ->
   0.36 (six alternating runs), ~12% less.
-- Left, 1P+1D: two engines' steps (the decode worker's own batches), the prefill worker's write-through of
-  every new prompt (as colocated), the workers' reports (a Ray call every 50 ms each).
+- Then (session 23): write-through in batches (one L1 -> L2 copy per component and one L3 store batch per
+  step, not per prompt: the in-process engine with the server's tiers 11.7% -> 2.5% of its step in
+  write-through), L3 lookups only past ``prefetch_min_tokens`` (256) beyond L1/L2 (a short prompt no
+  longer waits one schedule for one), and the workers' reports over the router's route channel instead
+  of a Ray call every 50 ms each (the router's CPU per short request 0.81 -> 0.57 ms in the profile).
+- Left, 1P+1D: two engines' steps (the decode worker's own batches), the file L3's per-page writes (a temp
+  file, a write and a rename each, ~100 us of CPU a page here), the workers' ``l3_stored`` Ray calls.
 - A slow reader (4 KB socket buffer, 3 s late, ~1 MB of SSE) does not hold others back: its output is
   buffered per client and the others' latency matches the prompt-reader case.
 """
