@@ -135,4 +135,3 @@ class L3Tier:
     def close(self) -> None:
         self.prefetcher.close()
         self.store.close()
-
