@@ -265,11 +265,16 @@ class ChannelServer:
         # The requests that are one pickled NamedTuple each: its type, and who takes it.
         typed = {HANDOFF: (Handoff, self.on_handoff), LEASED: (Leased, self.on_leased),
                  RESERVE: (Reserve, self.on_reserve)}
+        try:
+            self._serve_requests_until_closed(typed)
+        finally:   # this thread owns the socket, and close()'s term waits for it: closed on every way out
+            self._pull.close(linger=0)
+
+    def _serve_requests_until_closed(self, typed: dict) -> None:
         while not self._closed.is_set():
             try:
                 frames = self._pull.recv_multipart()
-            except zmq.ZMQError:   # the context is terminating (close): this thread owns the socket
-                self._pull.close(linger=0)
+            except zmq.ZMQError:   # the context is terminating (close)
                 return
             try:
                 kind, channel, key = frames[0], frames[1], int.from_bytes(frames[2], "little")
