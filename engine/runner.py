@@ -69,29 +69,27 @@ class ModelRunner:
         return lt(ids), meta
 
     def _decode_meta(self, dec: list[tuple[int, ScheduledSeq]]) -> DecodeMeta:
-        """Pad the one-token segments' page lists into rectangles; masks mark the real key slots."""
+        """Pad the one-token segments' page lists into rectangles; masks mark the real key slots. Built
+        from Python lists in one tensor call each: per-row tensors and element writes cost ~70 us a row,
+        which was ~10% of a 16-request decode step of a small model on CPU."""
         ps, dev = self.page_size, self.device
-        b = len(dec)
         p_max = max(len(sq.full_pages) for _, sq in dec)
         r_max = max(len(sq.swa_read_pages) for _, sq in dec)
-        full = torch.zeros(b, p_max, dtype=torch.long)
-        swa = torch.zeros(b, r_max, dtype=torch.long)
-        ends = torch.empty(b, dtype=torch.long)
-        lo = torch.empty(b, dtype=torch.long)
-        start = torch.empty(b, dtype=torch.long)
-        for i, (_, sq) in enumerate(dec):
-            full[i, :len(sq.full_pages)] = torch.tensor(sq.full_pages, dtype=torch.long)
-            if sq.swa_read_pages:
-                swa[i, :len(sq.swa_read_pages)] = torch.tensor(sq.swa_read_pages, dtype=torch.long)
-            ends[i], start[i] = sq.end, sq.start
-            # Position of the first slot of the first read page.
-            lo[i] = sq.swa_lo
-        slot = torch.arange(p_max * ps)
-        full_valid = slot[None, :] < ends[:, None]
+        zeros = [0] * max(p_max, r_max)
+        full = torch.tensor([[*sq.full_pages, *zeros[:p_max - len(sq.full_pages)]] for _, sq in dec],
+                            dtype=torch.long)
+        swa = torch.tensor([[*sq.swa_read_pages, *zeros[:r_max - len(sq.swa_read_pages)]] for _, sq in dec],
+                           dtype=torch.long).reshape(len(dec), r_max)
+        # Per row: the token's index in the batch, its end, its first SWA position, its start.
+        tok, ends, lo, start = torch.tensor([[t, sq.end, sq.swa_lo, sq.start] for t, sq in dec],
+                                            dtype=torch.long).unbind(1)
+        full_valid = torch.arange(p_max * ps)[None, :] < ends[:, None]
+        # Positions of the read pages' slots, from the first slot of the first read page.
         rslot = torch.arange(r_max * ps)[None, :] + (lo - lo % ps)[:, None]
         swa_valid = (rslot >= lo[:, None]) & (rslot < start[:, None])
-        return DecodeMeta(torch.tensor([t for t, _ in dec], dtype=torch.long, device=dev), full.to(dev),
-                          full_valid.to(dev), swa.to(dev), swa_valid.to(dev))
+        if dev.type == "cpu":
+            return DecodeMeta(tok.contiguous(), full, full_valid, swa, swa_valid)
+        return DecodeMeta(tok.to(dev), full.to(dev), full_valid.to(dev), swa.to(dev), swa_valid.to(dev))
 
     def run(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
         """-> logits [number of sampling segments + len(self.prompt_rows), vocab] fp32: the sampling

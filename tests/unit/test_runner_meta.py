@@ -1,0 +1,70 @@
+"""The one-token (decode) rows of a step's batch metadata: padded page rectangles whose masks mark exactly
+the key slots each query may read, whatever the mix of lengths in the batch."""
+from __future__ import annotations
+
+import torch
+
+from engine.runner import ModelRunner
+from engine.scheduler import ScheduledSeq
+
+PS = 4
+
+
+class _Req:
+    def __init__(self, n: int) -> None:
+        self.seq_len, self.hit, self._ids = n, None, list(range(100, 100 + n))
+
+    def tokens(self, a: int, b: int) -> list[int]:
+        return self._ids[a:b]
+
+    def prompt_logprob_positions(self, a: int, b: int) -> list[int]:
+        return []
+
+
+class _Pools:
+    class cfg:
+        page_size = PS
+
+
+def _decode(length: int, swa_lo: int, first_page: int) -> ScheduledSeq:
+    """The step that computes position ``length - 1`` of a sequence (pages numbered from ``first_page``),
+    reading its SWA keys from ``swa_lo``."""
+    start = length - 1
+    full = list(range(first_page, first_page + -(-length // PS)))
+    read = list(range(first_page + 50, first_page + 50 + len(range(swa_lo // PS, -(-start // PS))))) \
+        if start > swa_lo else []
+    return ScheduledSeq(_Req(length), start, 1, full, swa_lo, read, [(start, 0, start % PS)])
+
+
+def test_decode_rows_are_padded_and_masked_per_row() -> None:
+    seqs = [_decode(9, 3, 0), _decode(1, 0, 10), _decode(14, 6, 20), _decode(5, 4, 30)]
+    prefill = ScheduledSeq(_Req(6), 0, 6, [40, 41], 0, [], [])
+    ids, meta = ModelRunner(None, _Pools, torch.device("cpu")).build_meta(seqs[:2] + [prefill] + seqs[2:])
+    assert ids.tolist() == [108, 100, 100, 101, 102, 103, 104, 105, 113, 104]
+    dm = meta.dec
+    assert dm.tok.tolist() == [0, 1, 8, 9]   # the prefill's six tokens sit between the second and third
+    p_max = max(len(sq.full_pages) for sq in seqs)
+    r_max = max(len(sq.swa_read_pages) for sq in seqs)
+    assert dm.full_pages.shape == (4, p_max) and dm.swa_pages.shape == (4, r_max)
+    assert dm.full_valid.shape == (4, p_max * PS) and dm.swa_valid.shape == (4, r_max * PS)
+    for i, sq in enumerate(seqs):
+        n, r = len(sq.full_pages), len(sq.swa_read_pages)
+        assert dm.full_pages[i].tolist() == sq.full_pages + [0] * (p_max - n)
+        assert dm.swa_pages[i].tolist() == sq.swa_read_pages + [0] * (r_max - r)
+        # Full attention: every position up to the query's own.
+        assert dm.full_valid[i].tolist() == [s < sq.end for s in range(p_max * PS)]
+        # Sliding window: the read pages' slots hold positions from the first read page's start on; only
+        # those in [swa_lo, start) are keys (the query's own K/V joins them from the batch).
+        base = sq.swa_lo - sq.swa_lo % PS
+        assert dm.swa_valid[i].tolist() == [sq.swa_lo <= base + s < sq.start for s in range(r_max * PS)]
+    assert len(meta.segs) == 1 and (meta.segs[0].t0, meta.segs[0].t1) == (2, 8)
+    assert meta.logit_idx.tolist() == [0, 1, 7, 8, 9]
+
+
+def test_a_batch_without_any_swa_reads_has_empty_swa_rectangles() -> None:
+    seqs = [_decode(1, 0, 0), _decode(2, 1, 5)]
+    _, meta = ModelRunner(None, _Pools, torch.device("cpu")).build_meta(seqs)
+    dm = meta.dec
+    assert dm.swa_pages.shape == (2, 0) and dm.swa_pages.dtype == torch.long
+    assert dm.swa_valid.shape == (2, 0)
+    assert dm.full_valid.tolist() == [[True, False, False, False], [True, True, False, False]]
