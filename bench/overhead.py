@@ -100,6 +100,9 @@ What #37 changed, and what is left (after; README "Serving overhead" has both ta
   write-through), L3 lookups only past ``prefetch_min_tokens`` (256) beyond L1/L2 (a short prompt no
   longer waits one schedule for one), and the workers' reports over the router's route channel instead
   of a Ray call every 50 ms each (the router's CPU per short request 0.81 -> 0.57 ms in the profile).
+- Then (session 24): a step's one-token rows padded in one tensor call per field (engine/runner.py), not
+  per row: 16 rows 1.27 -> 0.52 ms of the step. Under the HTTP short load the colocated worker's engine
+  thread was 9.8 ms of CPU per request (11.1-12.0 in session 23), the copier thread's L3 writes 1.0 ms.
 - Left, 1P+1D: two engines' steps (the decode worker's own batches), the file L3's per-page writes (a temp
   file, a write and a rename each, ~100 us of CPU a page here), the workers' ``l3_stored`` Ray calls.
 - A slow reader (4 KB socket buffer, 3 s late, ~1 MB of SSE) does not hold others back: its output is
