@@ -57,13 +57,18 @@ def _run(lc, h):
     time.sleep(3)
     t_kill = time.monotonic()
     lc.remove_node(lc.index_of(where[victim]))
-    # recovered: the victim serves again, from another node
-    back, dropped = None, False
+    # recovered: the victim serves again, from another node. Its old process may answer for a moment after
+    # its raylet is killed (the token channel does not go through the raylet), so only answers to requests
+    # sent once Ray has declared the node dead count: the actor is restarted elsewhere only after that.
+    back, dropped, dead_at = None, False, None
     while time.monotonic() - t_kill < 120:
         st = ray.get(router.status.remote(), timeout=30)["workers"].get(victim)
         dropped = dropped or (st is not None and not st["live"])    # silent: its pages no longer counted
-        if any(r.sent_at > t_kill and r.status == 200 and r.body["meta_info"]["route"]["prefill"] == victim
-               for r in list(load.results)):
+        if dead_at is None and not any(n["NodeID"] == where[victim] and n["Alive"] for n in ray.nodes()):
+            dead_at = time.monotonic()
+        if dead_at is not None and any(
+                r.sent_at > dead_at and r.status == 200 and r.body["meta_info"]["route"]["prefill"] == victim
+                for r in list(load.results)):
             back = time.monotonic() - t_kill
             break
         time.sleep(0.2)
