@@ -81,6 +81,11 @@ class ServerConfig:
     # the environment of its processes, so it applies to the clusters launch starts (cluster/launch.py
     # front_env); on one started otherwise, its nodes' environment decides (manifests/base/raycluster.yaml).
     front: str = "haproxy"
+    # Ray Serve's access line per request in the ingress replica's log (method, route, status, latency). Off:
+    # each line is written to the replica's log file and to its stderr, which Ray's log monitor then reads and
+    # publishes; ~0.3 ms of the ingress's event loop and ~0.5 ms of Ray's processes per request on a 2-core
+    # machine (bench/overhead.py). Request counts and latencies stay in /metrics and in HAProxy's log.
+    access_log: bool = False
 
     def __post_init__(self) -> None:
         if self.front not in FRONTS:
@@ -91,6 +96,8 @@ class ServerConfig:
             raise ValueError("server.max_inflight must be >= 1 and server.request_timeout > 0")
         if not isinstance(self.drain_timeout, (int, float)) or self.drain_timeout < 0:
             raise ValueError(f"server.drain_timeout must be a number >= 0, got {self.drain_timeout!r}")
+        if not isinstance(self.access_log, bool):
+            raise ValueError(f"server.access_log must be true or false, got {self.access_log!r}")
 
 
 IF_EXISTS = ("adopt", "replace", "fail")

@@ -205,7 +205,8 @@ def ingress_options(s) -> dict:
     """Serve options of the ingress deployment (and of the placeholder it replaces)."""
     # Serve's default (5 ongoing requests a replica) would queue the 6th stream in the proxy, out of
     # reach of max_inflight's 503 and of the drain's "shutting down"; a few more for health and drain calls.
-    opts = {"max_ongoing_requests": s.max_inflight + 8}
+    opts = {"max_ongoing_requests": s.max_inflight + 8,
+            "logging_config": {"enable_access_log": s.access_log}}   # server.access_log (cluster/config.py)
     # Start the new replica before stopping the old one (placeholder -> ingress, redeploys): no window
     # with no replica, where the proxy would hold requests. Ray >= 2.60 only.
     if "max_surge_percent" in inspect.signature(serve.deployment).parameters:

@@ -144,6 +144,25 @@ def test_health_models_metrics(cluster):
         assert sum(f'kind="{kind}"' in line for line in lb) == len(workers), lb
 
 
+def test_no_access_line_per_request_unless_asked(cluster):
+    """server.access_log is off by default: Serve writes no line per request to the ingress replica's log
+    (nor to its stderr, which Ray's log monitor reads); its other lines are still there."""
+    import glob
+    import re
+    url = cluster["url"]
+    for _ in range(3):
+        assert httpx.get(f"{url}/v1/models").status_code == 200
+    assert httpx.post(f"{url}/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}},
+                      timeout=60).status_code == 200
+    logs = ray._private.worker._global_node.get_logs_dir_path()
+    files = glob.glob(f"{logs}/serve/replica_strata_ingress_*.log")
+    assert files, sorted(glob.glob(f"{logs}/serve/*"))
+    text = "".join(open(f, errors="replace").read() for f in files)
+    assert text.strip(), files
+    access = re.compile(r"\b(GET /v1/models|POST /generate) \d{3} [\d.]+ms")
+    assert not access.search(text), access.search(text).group(0)
+
+
 def test_a_client_that_leaves_mid_stream_frees_the_decode_worker_at_once(cluster):
     """The stream's tokens come over the token channel; the client leaving cancels the request's one Ray
     call, which aborts it on the decode worker: nothing keeps decoding for nobody."""

@@ -71,6 +71,16 @@ def test_config_front_is_haproxy_or_serve_proxy():
         from_text("server: {front: nginx}")
 
 
+def test_config_access_log_is_off_unless_asked():
+    from cluster.launch import ingress_options
+    assert from_text("").server.access_log is False
+    on = from_text("server: {access_log: true}").server
+    assert on.access_log is True and ingress_options(on)["logging_config"] == {"enable_access_log": True}
+    assert ingress_options(from_text("").server)["logging_config"] == {"enable_access_log": False}
+    with pytest.raises(ValueError, match="server.access_log"):
+        from_text("server: {access_log: 1}")
+
+
 def test_front_env_gives_each_cluster_its_own_ports_and_files(monkeypatch):
     from cluster import front
     a, b = front.front_env("haproxy", "/tmp/slcA"), front.front_env("haproxy", "/tmp/slcB")

@@ -130,6 +130,11 @@ def test_errors_in_openai_shape(oai, http):
     assert r.status_code == 422 and "beam" in json.dumps(r.json())
     r = http.post("/generate", json={"text": "x", "lora_path": "my-adapter"})
     assert r.status_code == 400 and "my-adapter" in r.json()["error"]["message"]
+    for ids, bad_id in (([5, -3, 7, -1], -3), ([5, 10**6, 6], 10**6)):   # the first id out of range is named
+        r = http.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 400 and f"token id {bad_id} is outside" in r.json()["error"]["message"], r.text
+    r = http.post("/generate", json={"input_ids": [[5, 6], [7, 10**6]], "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("input_ids[1]: token id 1000000"), r.text
     defaults = {"frequency_penalty": 0, "presence_penalty": 0, "stop": [], "logprobs": False, "logit_bias": {},
                 "best_of": 1, "store": False, "metadata": {}, "repetition_penalty": 1.0, "ignore_eos": False,
                 "max_tokens": 2, "user": "u", "parallel_tool_calls": True, "service_tier": "auto"}
