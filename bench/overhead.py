@@ -103,6 +103,14 @@ What #37 changed, and what is left (after; README "Serving overhead" has both ta
 - Then (session 24): a step's one-token rows padded in one tensor call per field (engine/runner.py), not
   per row: 16 rows 1.27 -> 0.52 ms of the step. Under the HTTP short load the colocated worker's engine
   thread was 9.8 ms of CPU per request (11.1-12.0 in session 23), the copier thread's L3 writes 1.0 ms.
+- Then (session 25): a cached 512-token prompt's path, hop by hop on one monotonic clock (p50 of 40,
+  colocated; step 11.7 ms): client -> uvicorn 1.35 ms (httpx, HAProxy), Serve + FastAPI to the handler
+  1.08, the handler to the route 0.38, the route over ZMQ 1.05, the token channel to the worker 0.55 and to
+  the engine thread 0.39; back: the engine's send 0.28, the channel to the ingress 0.72, the handler 0.21,
+  FastAPI's answer 0.40, HAProxy and the client 1.1. A cross-process hop costs 0.5-1 ms here (threads
+  woken from idle): the route's round trip is ~0.12 ms when routes follow each other (--hops). Serve's access
+  line (the replica's log file, and its stderr, which Ray's log monitor reads and publishes) is off unless
+  ``server.access_log``: ~0.35 ms of CPU per request (ingress and Ray's processes).
 - Left, 1P+1D: two engines' steps (the decode worker's own batches), the file L3's per-page writes (a temp
   file, a write and a rename each, ~100 us of CPU a page here), the workers' ``l3_stored`` Ray calls.
 - A slow reader (4 KB socket buffer, 3 s late, ~1 MB of SSE) does not hold others back: its output is
