@@ -83,8 +83,8 @@ class ServerConfig:
     front: str = "haproxy"
     # Ray Serve's access line per request in the ingress replica's log (method, route, status, latency). Off:
     # each line is written to the replica's log file and to its stderr, which Ray's log monitor then reads and
-    # publishes; ~0.3 ms of the ingress's event loop and ~0.5 ms of Ray's processes per request on a 2-core
-    # machine (bench/overhead.py). Request counts and latencies stay in /metrics and in HAProxy's log.
+    # publishes; ~0.35 ms of CPU per request in all on a 2-core machine (bench/overhead.py). Request counts
+    # and latencies stay in /metrics and in Ray Serve's own metrics.
     access_log: bool = False
 
     def __post_init__(self) -> None:
