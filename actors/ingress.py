@@ -72,6 +72,8 @@ class RayBackend:
         self._route_chan: RouteClient | None = None
         self._route_connecting: asyncio.Future | None = None
         self._route_retry_at = 0.0
+        # The router's last answer when it was the only choice, and the loop time it is trusted until.
+        self._sole: tuple[Served, float] | None = None
 
     def stream(self, ids: list[int], params: SamplingParams, avoid: tuple[str, ...] = (),
                pin: Served | None = None, whole: bool = False) -> ServedStream:
@@ -82,32 +84,94 @@ class RayBackend:
 
     async def _serve(self, ids: list[int], params: SamplingParams, avoid: tuple[str, ...],
                      pin: Served | None, whole: bool = False) -> AsyncGenerator[Served | StreamItem, None]:
-        """The chosen ``Served`` first, then the request's items."""
+        """The chosen ``Served`` first, then the request's items. While the router's last answer said no
+        other choice was open (``Route.alone``: one live worker of each role), a request goes there at once
+        and the router is asked meanwhile (``_confirm``: its load estimate and prediction), so the route's
+        round trip overlaps the worker's step rather than coming before it."""
+        items: AsyncIterator[StreamItem] | None = None
+        first: asyncio.Future | None = None   # the sole worker's first item, asked before the route's answer
         try:
-            if self.router_cfg is None:
-                self.router_cfg, self.geometry = await self.router.config.remote(), await self.router.geometry.remote()
-            # hashed here: ingress replicas scale, the router doesn't
-            keys = prompt_blocks(ids, self.geometry, self.router_cfg)
-            if pin is not None and pin.prefill in self.workers and pin.decode in (None, *self.workers) \
-                    and not {pin.prefill, pin.decode} & set(avoid):
-                served = Served(pin.prefill, pin.decode)   # not predicted: the router was not asked
-            else:
-                r = await self._route(keys, len(ids), avoid)
-                served = Served(r.prefill, r.decode, r.cached_pages * self.geometry.page_size)
-            for w in (served.prefill, served.decode):
-                if w is not None and w not in self.workers:   # scaled out since this replica started
-                    self.workers[w] = await asyncio.get_running_loop().run_in_executor(None, self._lookup, w)
-        except (ray.exceptions.RayError, NoWorkerError, RouterError) as e:
-            raise ServiceUnavailable(f"no route: {str(e).splitlines()[-1][:200]}") from None
-        for w in {served.prefill, served.decode} & set(avoid):
-            await self._wait_alive(w)  # the only such worker failed this request: let it restart first
-        yield served
+            try:
+                if self.router_cfg is None:
+                    self.router_cfg, self.geometry = await self.router.config.remote(), await self.router.geometry.remote()
+                sole = self._sole_choice() if pin is None and not avoid else None
+                if sole is not None:
+                    items = self.kv_handoff.run(ids, params, sole.prefill, sole.decode, whole)
+                    first = asyncio.ensure_future(_first_item(items))
+                    await asyncio.sleep(0)   # let it send the request before the route is asked
+                # hashed here: ingress replicas scale, the router doesn't
+                keys = prompt_blocks(ids, self.geometry, self.router_cfg)
+                if sole is not None:
+                    served = await self._confirm(sole, keys, len(ids))
+                elif pin is not None and pin.prefill in self.workers and pin.decode in (None, *self.workers) \
+                        and not {pin.prefill, pin.decode} & set(avoid):
+                    served = Served(pin.prefill, pin.decode)   # not predicted: the router was not asked
+                else:
+                    r = await self._route(keys, len(ids), avoid)
+                    self._learn(r)
+                    served = Served(r.prefill, r.decode, r.cached_pages * self.geometry.page_size)
+                for w in (served.prefill, served.decode):
+                    if w is not None and w not in self.workers:   # scaled out since this replica started
+                        self.workers[w] = await asyncio.get_running_loop().run_in_executor(None, self._lookup, w)
+            except (ray.exceptions.RayError, NoWorkerError, RouterError) as e:
+                raise ServiceUnavailable(f"no route: {str(e).splitlines()[-1][:200]}") from None
+            for w in {served.prefill, served.decode} & set(avoid):
+                await self._wait_alive(w)  # the only such worker failed this request: let it restart first
+            yield served
+            try:
+                if items is None:
+                    items = self.kv_handoff.run(ids, params, served.prefill, served.decode, whole)
+                elif (item := await first) is not None:
+                    yield item
+                async for item in items:
+                    yield item
+            except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
+                raise WorkerFailed(str(e).splitlines()[0][:300],
+                                   tuple(w for w in (served.prefill, served.decode) if w)) from None
+        finally:
+            if first is not None and not first.done():   # the client left before the first item
+                first.cancel()
+                await asyncio.wait((first,))
+            if items is not None:
+                await items.aclose()   # the worker's part stops now, not when the generator is collected
+
+    def _sole_choice(self) -> Served | None:
+        """The workers the router's last answer said were the only choice, while that answer is recent
+        (``SOLE_ROUTE_TTL_S``) and this replica still knows them; else None (ask the router first)."""
+        if self._sole is None:
+            return None
+        sole, until = self._sole
+        if asyncio.get_running_loop().time() > until or sole.prefill not in self.workers \
+                or (sole.decode is not None and sole.decode not in self.workers):
+            self._sole = None
+            return None
+        return sole
+
+    def _learn(self, r: Route) -> None:
+        """Keep (or forget) the router's answer as the next requests' choice, by whether it was the only one."""
+        self._sole = (Served(r.prefill, r.decode), asyncio.get_running_loop().time() + SOLE_ROUTE_TTL_S) \
+            if r.alone else None
+
+    async def _confirm(self, sole: Served, keys: list[int], n: int) -> Served:
+        """Ask the router for the route of a request already sent to ``sole`` (over the channel only: the
+        request does not wait on Ray for a choice it has made). Its answer keeps or forgets the sole choice
+        and, when it names the same workers, gives the prediction; no answer, or another choice (a worker
+        was added), leaves the request where it went, unpredicted, and the next requests ask first."""
+        client = await self._route_client()
         try:
-            async for item in self.kv_handoff.run(ids, params, served.prefill, served.decode, whole):
-                yield item
-        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
-            raise WorkerFailed(str(e).splitlines()[0][:300],
-                               tuple(w for w in (served.prefill, served.decode) if w)) from None
+            if client is None:
+                raise ChannelDown("no route channel")
+            r = await client.route(keys, n, [])
+        except (ChannelDown, NoWorkerError, RouterError) as e:
+            log.info("sent to %s unconfirmed: %s", sole.prefill, e)
+            if isinstance(e, ChannelDown) and client is not None:
+                self._drop_route_channel(client)
+            self._sole = None
+            return Served(sole.prefill, sole.decode)
+        self._learn(r)
+        if (r.prefill, r.decode) != (sole.prefill, sole.decode):
+            return Served(sole.prefill, sole.decode)
+        return Served(r.prefill, r.decode, r.cached_pages * self.geometry.page_size)
 
     def _lookup(self, worker: str) -> ActorHandle:
         """The handle of a worker this replica has not seen (added by ``strata scale``), by its name."""
@@ -488,6 +552,16 @@ CHANNEL_CONNECT_S = 10.0
 # Ray, and how long routes go over Ray after the endpoint could not be had.
 ROUTE_CHANNEL_TIMEOUT_S = 2.0
 ROUTE_CHANNEL_RETRY_S = 1.0
+# How long a route that was the only choice is taken as the next requests' (each answer renews it).
+SOLE_ROUTE_TTL_S = 1.0
+
+
+async def _first_item(items: AsyncIterator[StreamItem]) -> StreamItem | None:
+    """The first of ``items`` (None: there was none), as a task: a request sent before its route's answer."""
+    try:
+        return await anext(items)
+    except StopAsyncIteration:
+        return None
 
 
 async def _relay(pq: asyncio.Queue, dq: asyncio.Queue) -> None:

@@ -39,11 +39,13 @@ class ReportReply(NamedTuple):
 class Route(NamedTuple):
     """The router's choice for one prompt: its prefill worker, its decode worker (None: the prefill
     worker is colocated and decodes too), and the prompt pages it expects cached there: in all, and by
-    the fastest tier holding each ("L1", "L2", "L3" -> pages)."""
+    the fastest tier holding each ("L1", "L2", "L3" -> pages). ``alone``: no other choice was open (one
+    live worker of each role it names, none avoided), so the next prompt's choice is known before asking."""
     prefill: str
     decode: str | None
     cached_pages: int
     by_tier: dict[str, int]
+    alone: bool = False
 
 
 RESYNC_WAIT_S = 2.0
@@ -156,14 +158,15 @@ class Router:
             raise NoWorkerError(f"the router is rebuilding its index of {', '.join(waiting)} from a snapshot")
         prefill = _avoiding(self.live(("prefill", "colocated"), now), avoid)
         worker, ov = route(self.index, keys, prompt_len, prefill, self.cfg, self.geom, turn=self.decisions)
-        decode = None
+        decode, alone = None, len(prefill) == 1
         if self.roles[worker] == "prefill":
-            decode = pick_decode(_avoiding(self.live(("decode",), now), avoid))
+            decodes = _avoiding(self.live(("decode",), now), avoid)
+            decode, alone = pick_decode(decodes), alone and len(decodes) == 1
             self.loads[decode]["running"] = self.loads[decode].get("running", 0) + 1
         # Count the request against the worker until its next report, so a burst spreads out.
         self.loads[worker]["queued_tokens"] = self.loads[worker].get("queued_tokens", 0) + prompt_len
         self.decisions += 1
-        return Route(worker, decode, ov.pages, ov.by_tier)
+        return Route(worker, decode, ov.pages, ov.by_tier, alone and not avoid)
 
     def drain(self, worker: str) -> bool:
         """No new requests for ``worker`` (scale-in); it keeps reporting so its drain can be watched."""

@@ -22,7 +22,7 @@ for its answer as it waited for the Ray call's; when none comes (``timeout``, or
 seen lost) it is ChannelDown and the worker reports over Ray, then asks where the channel is again.
 
 Wire (frames after the ROUTER's routing id): one msgpack array each way. Request ``[req_id, keys,
-prompt_len, avoid]``; reply ``[req_id, true, [prefill, decode, cached_pages, by_tier]]`` (the ``Route``
+prompt_len, avoid]``; reply ``[req_id, true, [prefill, decode, cached_pages, by_tier, alone]]`` (the ``Route``
 fields) or ``[req_id, false, [error_kind, message]]``; ``error_kind`` ``NoWorkerError`` (the router has no
 worker for it yet: the caller retries as over Ray) comes back as that exception, any other as RouterError.
 A report is two frames, ``REPORT`` then ``[req_id, worker, role, load, fresh, stream, l3]`` (the streams
@@ -77,6 +77,7 @@ class _RouteWire(msgspec.Struct, array_like=True):
     decode: str | None
     cached_pages: int
     by_tier: dict[str, int]
+    alone: bool = False
 
 
 class _Report(msgspec.Struct, array_like=True):
@@ -116,7 +117,7 @@ def answer(route: Callable[[list[int], int, list[str] | None], Route], payload: 
         return _encoder.encode((req.req_id, False, (NO_WORKER, str(e))))
     except Exception as e:  # noqa: BLE001 - its kind and message go back to the caller
         return _encoder.encode((req.req_id, False, (type(e).__name__, str(e))))
-    return _encoder.encode((req.req_id, True, (r.prefill, r.decode, r.cached_pages, r.by_tier)))
+    return _encoder.encode((req.req_id, True, (r.prefill, r.decode, r.cached_pages, r.by_tier, r.alone)))
 
 
 def answer_report(report: Report, payload: bytes) -> bytes:
@@ -145,7 +146,7 @@ def decode_reply(payload: bytes, where: str) -> tuple[int, Route | Exception]:
     req_id, ok, payload = _reply_decoder.decode(payload)
     if ok:
         r = msgspec.convert(payload, _RouteWire)
-        return req_id, Route(r.prefill, r.decode, r.cached_pages, r.by_tier)
+        return req_id, Route(r.prefill, r.decode, r.cached_pages, r.by_tier, r.alone)
     kind, msg = msgspec.convert(payload, tuple[str, str])
     if kind == NO_WORKER:
         return req_id, NoWorkerError(msg)

@@ -255,3 +255,22 @@ def test_a_report_to_a_router_gone_or_silent_is_channel_down_and_closes_the_clie
     finally:
         c.close()
         silent.close()
+
+
+def test_a_route_says_when_it_was_the_only_choice_and_the_wire_carries_it():
+    """``Route.alone``: one live worker of each role the route names, none avoided (the ingress then sends
+    the next requests before asking: actors/ingress.py ``_sole_choice``)."""
+    def alone(roles: dict[str, str], avoid=None, drop=()) -> bool:
+        r = _router(roles)
+        for w in drop:
+            r.drain(w)
+        return r.route([1, 2], 32, time.monotonic(), avoid).alone
+    assert alone({"c0": "colocated"}) and alone({"p0": "prefill", "d0": "decode"})
+    assert not alone({"c0": "colocated", "c1": "colocated"})
+    assert not alone({"p0": "prefill", "p1": "prefill", "d0": "decode"})
+    assert not alone({"p0": "prefill", "d0": "decode", "d1": "decode"})
+    assert alone({"p0": "prefill", "d0": "decode", "d1": "decode"}, drop=["d1"])   # drained: not a choice
+    assert not alone({"c0": "colocated"}, avoid=["c0"])    # it just failed this request: ask again next time
+    r = _router({"c0": "colocated"})
+    rid, got = decode_reply(answer(_serving(r), encode_request(5, [1, 2], 32, None)), "r")
+    assert rid == 5 and got == Route("c0", None, 0, {"L1": 0, "L2": 0, "L3": 0}, True) and got.alone

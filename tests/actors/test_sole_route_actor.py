@@ -1,0 +1,107 @@
+"""The ingress's sole route against a real router and a real colocated worker on a local Ray cluster
+(actors/ingress.RayBackend without Serve): while the router's last answer said the worker was the only
+choice (``Route.alone``), a request is on the worker's token channel before the router is asked, and the
+router is still asked for each (its count and load estimate), its prediction still the hit the worker
+delivers; a second worker makes the router's answer no longer the only choice, and the requests after it
+ask first again."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from cluster import launch  # sets the Ray environment (loopback, no token auth) on import
+from engine import EngineConfig, SamplingParams
+from engine.model.loader import resolve_model_path
+
+ray = pytest.importorskip("ray")
+
+SP = SamplingParams(max_new_tokens=4, ignore_eos=True)
+PROMPT = list(range(3, 3 + 80))   # 5 pages of 16: the later requests find 4 of them cached
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from actors.ingress import RayBackend
+    from actors.router import PrefixRouterActor
+    from actors.routing import RouterConfig
+    from actors.worker import WorkerActor
+    from storage.geometry import KVGeometry
+    from storage.kv_events import KVEventsConfig
+    launch.start_local_ray(num_cpus=2)
+    path = str(resolve_model_path("strata-tiny"))
+    router = PrefixRouterActor.options(num_cpus=0).remote(RouterConfig(), KVGeometry(16))
+    w = WorkerActor.options(num_cpus=0.5).remote("w0", "colocated", EngineConfig(
+        model=path, page_size=16, num_pages=256, torch_threads=1, enable_prefix_cache=True), router,
+        kv_events=KVEventsConfig())
+    ray.get(w.start.remote(), timeout=180)
+    deadline = time.monotonic() + 60
+    while "w0" not in ray.get(router.status.remote(), timeout=30)["workers"]:
+        assert time.monotonic() < deadline, "the worker never reported"
+        time.sleep(0.1)
+    b = RayBackend(router, {"w0": w}, "strata-tiny", path, 256, 8192, request_timeout=60.0)
+    yield b, router
+    b.close_channels()
+    ray.shutdown()
+
+
+def _decisions(router) -> int:
+    return ray.get(router.status.remote(), timeout=30)["decisions"]
+
+
+async def _requests(b, n: int, asked: list[int]) -> list:
+    """``n`` requests one after another: (Served, last item) each; ``asked`` gets, for each route asked
+    over the channel, how many requests the worker's token channel had open at that moment."""
+    out = []
+    for _ in range(n):
+        client = await b._route_client()
+        client.asked = asked
+        if not hasattr(client, "ask"):
+            client.ask = client.route
+
+            async def route(*a, _c=client):
+                _c.asked.append(len(b._channels["w0"]._queues) if "w0" in b._channels else 0)
+                return await _c.ask(*a)
+            client.route = route
+        s = b.stream(PROMPT, SP)
+        items = [i async for i in s]
+        out.append((s.served, items[-1]))
+        await asyncio.sleep(0.2)   # the worker's KV events reach the router within a report interval
+    return out
+
+
+def test_the_sole_workers_requests_go_out_before_their_route_and_keep_the_prediction(setup):
+    b, router = setup
+    before, asked = _decisions(router), []
+    got = asyncio.run(_requests(b, 4, asked))
+    # The first asks first (nothing learned yet); the others are on the worker's channel when asked.
+    assert asked == [0, 1, 1, 1], asked
+    assert _decisions(router) == before + 4       # the router still counts every request
+    assert [s.prefill for s, _ in got] == ["w0"] * 4 and all(s.decode is None for s, _ in got)
+    # The prediction is the hit, request by request, whether the route came before or beside the request.
+    assert [s.predicted_cached_tokens for s, _ in got] == [last.cached_tokens for _, last in got], got
+    assert got[-1][1].cached_tokens == 64 and all(last.finished for _, last in got)
+
+
+def test_a_second_worker_makes_the_next_requests_ask_first(setup):
+    b, router = setup
+    load = {"free_pages": 256, "total_pages": 256}
+
+    async def main():   # one event loop throughout: the channels opened stay open
+        await _requests(b, 1, [])                                # learns w0 as the only choice
+        await router.report.remote("c1", "colocated", load, True)   # another worker reports
+        try:
+            asked: list[int] = []
+            got = await _requests(b, 2, asked)
+            # The first was sent to w0 already; the router's answer (two choices now) ends the shortcut,
+            # so the second asks first. Both go to w0: the router knows w0 holds the prompt.
+            assert asked == [1, 0], asked
+            assert [s.prefill for s, _ in got] == ["w0", "w0"], got
+            assert b._sole is None
+        finally:
+            await router.remove_worker.remote("c1")
+        asked = []
+        await _requests(b, 2, asked)     # one worker again: learned from the next answer
+        assert asked == [0, 1], asked
+    asyncio.run(main())
