@@ -13,7 +13,14 @@ a Ray actor call costs ~1 ms and CPU on both sides), one per replica, opened on 
 endpoint the router names (``route_endpoint``, a Ray call). The Ray call ``route`` stays the fallback: a
 request whose answer does not come over the channel (no endpoint, a timeout, the router's connection lost:
 it restarted) is asked over Ray, and the channel is dropped, to be reopened from the endpoint the router
-names next (a restarted router binds anew). Both doors reach the same ``route`` in the one router actor."""
+names next (a restarted router binds anew). Both doors reach the same ``route`` in the one router actor.
+
+While the router's last answer was the only choice it had (``Route.alone``: one live worker of each role,
+a colocated or a 1P+1D cluster), a request is sent to those workers at once and the router is asked
+meanwhile, over the channel only: the round trip (~1 ms with the prompt's hashing, between processes
+woken from idle) overlaps the worker's step instead of coming before it, and the router still counts the
+request and predicts its hit. An answer that names other workers (one was added) or none (no channel, the
+router restarting) leaves that request where it went, unpredicted, and the next requests ask first."""
 from __future__ import annotations
 
 import asyncio
@@ -129,9 +136,12 @@ class RayBackend:
                 raise WorkerFailed(str(e).splitlines()[0][:300],
                                    tuple(w for w in (served.prefill, served.decode) if w)) from None
         finally:
-            if first is not None and not first.done():   # the client left before the first item
-                first.cancel()
-                await asyncio.wait((first,))
+            if first is not None:
+                if not first.done():   # the client left before the first item
+                    first.cancel()
+                    await asyncio.wait((first,))
+                if not first.cancelled():
+                    first.exception()   # seen: the error of a request nobody reads any more is no news
             if items is not None:
                 await items.aclose()   # the worker's part stops now, not when the generator is collected
 
