@@ -8,19 +8,8 @@ by one worker goes to it over that channel too (no Ray call per request), and so
 its prefill worker, which hands the decode half to the decode worker itself (a Ray call worker to worker,
 which carries the receipt of the KV it sent); the decode worker's items come over its own channel.
 
-The router is asked over its route channel (actors/route_channel.py: one ZMQ round trip, ~0.08 ms, where
-a Ray actor call costs ~1 ms and CPU on both sides), one per replica, opened on first use from the
-endpoint the router names (``route_endpoint``, a Ray call). The Ray call ``route`` stays the fallback: a
-request whose answer does not come over the channel (no endpoint, a timeout, the router's connection lost:
-it restarted) is asked over Ray, and the channel is dropped, to be reopened from the endpoint the router
-names next (a restarted router binds anew). Both doors reach the same ``route`` in the one router actor.
-
-While the router's last answer was the only choice it had (``Route.alone``: one live worker of each role,
-a colocated or a 1P+1D cluster), a request is sent to those workers at once and the router is asked
-meanwhile, over the channel only: the round trip (~1 ms with the prompt's hashing, between processes
-woken from idle) overlaps the worker's step instead of coming before it, and the router still counts the
-request and predicts its hit. An answer that names other workers (one was added) or none (no channel, the
-router restarting) leaves that request where it went, unpredicted, and the next requests ask first."""
+The router is asked over its route channel, Ray as the fallback, and a request whose route had no other
+choice last time goes out before the router's answer: actors/route_asker.py."""
 from __future__ import annotations
 
 import asyncio
@@ -37,8 +26,8 @@ from actors.frontend import ServiceUnavailable, WorkerFailed
 from actors.flush import flush_cluster
 from actors.handoff import KVHandoff, PeerFailed, Reservation
 from actors.http_api import build_app
-from actors.prefix_router import Route
-from actors.route_channel import ChannelDown, RouteClient, RouterError
+from actors.route_asker import RouteAsker
+from actors.route_channel import RouterError
 from actors.routing import NoWorkerError, prompt_blocks
 from actors.metrics import Metrics
 from actors.served import Served, ServedStream
@@ -74,13 +63,7 @@ class RayBackend:
         self._zmq: zmq.asyncio.Context | None = None
         self._channels: dict[str, ChannelClient] = {}
         self._connecting: dict[str, asyncio.Future] = {}
-        # The route channel (actors/route_channel.py): opened on first use; ``_route_retry_at``: the loop
-        # time before which routes go over Ray without asking for an endpoint (the last ask failed).
-        self._route_chan: RouteClient | None = None
-        self._route_connecting: asyncio.Future | None = None
-        self._route_retry_at = 0.0
-        # The router's last answer when it was the only choice, and the loop time it is trusted until.
-        self._sole: tuple[Served, float] | None = None
+        self.routes = RouteAsker(router, self._zmq_context)   # the router, asked (actors/route_asker.py)
 
     def stream(self, ids: list[int], params: SamplingParams, avoid: tuple[str, ...] = (),
                pin: Served | None = None, whole: bool = False) -> ServedStream:
@@ -93,15 +76,16 @@ class RayBackend:
                      pin: Served | None, whole: bool = False) -> AsyncGenerator[Served | StreamItem, None]:
         """The chosen ``Served`` first, then the request's items. While the router's last answer said no
         other choice was open (``Route.alone``: one live worker of each role), a request goes there at once
-        and the router is asked meanwhile (``_confirm``: its load estimate and prediction), so the route's
-        round trip overlaps the worker's step rather than coming before it."""
+        and the router is asked meanwhile (``RouteAsker.confirm``: its load estimate and prediction), so
+        the route's round trip overlaps the worker's step rather than coming before it."""
         items: AsyncIterator[StreamItem] | None = None
         first: asyncio.Future | None = None   # the sole worker's first item, asked before the route's answer
         try:
             try:
                 if self.router_cfg is None:
-                    self.router_cfg, self.geometry = await self.router.config.remote(), await self.router.geometry.remote()
-                sole = self._sole_choice() if pin is None and not avoid else None
+                    self.router_cfg = await self.router.config.remote()
+                    self.geometry = await self.router.geometry.remote()
+                sole = self.routes.sole(self.workers) if pin is None and not avoid else None
                 if sole is not None:
                     items = self.kv_handoff.run(ids, params, sole.prefill, sole.decode, whole)
                     first = asyncio.ensure_future(_first_item(items))
@@ -109,13 +93,12 @@ class RayBackend:
                 # hashed here: ingress replicas scale, the router doesn't
                 keys = prompt_blocks(ids, self.geometry, self.router_cfg)
                 if sole is not None:
-                    served = await self._confirm(sole, keys, len(ids))
+                    served = await self.routes.confirm(sole, keys, len(ids), self.geometry.page_size)
                 elif pin is not None and pin.prefill in self.workers and pin.decode in (None, *self.workers) \
                         and not {pin.prefill, pin.decode} & set(avoid):
                     served = Served(pin.prefill, pin.decode)   # not predicted: the router was not asked
                 else:
-                    r = await self._route(keys, len(ids), avoid)
-                    self._learn(r)
+                    r = await self.routes.route(keys, len(ids), avoid)
                     served = Served(r.prefill, r.decode, r.cached_pages * self.geometry.page_size)
                 for w in (served.prefill, served.decode):
                     if w is not None and w not in self.workers:   # scaled out since this replica started
@@ -145,123 +128,10 @@ class RayBackend:
             if items is not None:
                 await items.aclose()   # the worker's part stops now, not when the generator is collected
 
-    def _sole_choice(self) -> Served | None:
-        """The workers the router's last answer said were the only choice, while that answer is recent
-        (``SOLE_ROUTE_TTL_S``) and this replica still knows them; else None (ask the router first)."""
-        if self._sole is None:
-            return None
-        sole, until = self._sole
-        if asyncio.get_running_loop().time() > until or sole.prefill not in self.workers \
-                or (sole.decode is not None and sole.decode not in self.workers):
-            self._sole = None
-            return None
-        return sole
-
-    def _learn(self, r: Route) -> None:
-        """Keep (or forget) the router's answer as the next requests' choice, by whether it was the only one."""
-        self._sole = (Served(r.prefill, r.decode), asyncio.get_running_loop().time() + SOLE_ROUTE_TTL_S) \
-            if r.alone else None
-
-    async def _confirm(self, sole: Served, keys: list[int], n: int) -> Served:
-        """Ask the router for the route of a request already sent to ``sole`` (over the channel only: the
-        request does not wait on Ray for a choice it has made). Its answer keeps or forgets the sole choice
-        and, when it names the same workers, gives the prediction; no answer, or another choice (a worker
-        was added), leaves the request where it went, unpredicted, and the next requests ask first."""
-        client = await self._route_client()
-        try:
-            if client is None:
-                raise ChannelDown("no route channel")
-            r = await client.route(keys, n, [])
-        except (ChannelDown, NoWorkerError, RouterError) as e:
-            log.info("sent to %s unconfirmed: %s", sole.prefill, e)
-            if isinstance(e, ChannelDown) and client is not None:
-                self._drop_route_channel(client)
-            self._sole = None
-            return Served(sole.prefill, sole.decode)
-        self._learn(r)
-        if (r.prefill, r.decode) != (sole.prefill, sole.decode):
-            return Served(sole.prefill, sole.decode)
-        return Served(r.prefill, r.decode, r.cached_pages * self.geometry.page_size)
-
     def _lookup(self, worker: str) -> ActorHandle:
         """The handle of a worker this replica has not seen (added by ``strata scale``), by its name."""
         ns = self.settings.ray.namespace if self.settings is not None else "strata"
         return ray.get_actor(f"strata-{worker}", namespace=ns)
-
-    async def _route(self, keys: list[int], n: int, avoid: tuple[str, ...], wait: float = 10.0) -> Route:
-        """Ask the router (over its route channel, else over Ray); a router that has just restarted knows
-        no worker until their next reports (every report interval), so "no prefill/decode worker" is
-        retried for a few seconds rather than failing."""
-        deadline = asyncio.get_running_loop().time() + wait
-        while True:
-            try:
-                return await self._route_once(keys, n, list(avoid))
-            except NoWorkerError:
-                if asyncio.get_running_loop().time() > deadline:
-                    raise
-            except ray.exceptions.RayTaskError as e:
-                if not isinstance(e.cause, NoWorkerError) or asyncio.get_running_loop().time() > deadline:
-                    raise
-            await asyncio.sleep(0.1)
-
-    async def _route_once(self, keys: list[int], n: int, avoid: list[str]) -> Route:
-        """One ask: over the channel, or over Ray when the channel cannot answer (then dropped: the next
-        request asks the router where it listens now). A request whose answer timed out may be counted
-        twice in the router's load: an estimate anyway, until the worker's next report."""
-        client = await self._route_client()
-        if client is not None:
-            try:
-                return await client.route(keys, n, avoid)
-            except ChannelDown as e:
-                log.info("routing over Ray: %s", e)
-                self._drop_route_channel(client)
-        return await self.router.route.remote(keys, n, avoid)
-
-    async def _route_client(self) -> RouteClient | None:
-        """The replica's route channel, opened if need be (one opening, however many requests wait);
-        None when there is none to use now (the request goes over Ray)."""
-        loop = asyncio.get_running_loop()
-        c = self._route_chan
-        if c is not None:
-            if not c.closed and c.loop is loop:
-                return c
-            self._drop_route_channel(c)   # lost, or opened on another event loop (one that has ended)
-        if loop.time() < self._route_retry_at:
-            return None
-        pending = self._route_connecting
-        if pending is None or pending.get_loop() is not loop:
-            pending = self._route_connecting = asyncio.ensure_future(self._connect_route())
-        try:
-            return await asyncio.shield(pending)
-        except Exception as e:  # noqa: BLE001 - Ray serves this request; the next ones after the pause
-            log.info("no route channel (routing over Ray for %gs): %r", ROUTE_CHANNEL_RETRY_S, e)
-            return None
-
-    async def _connect_route(self) -> RouteClient | None:
-        loop = asyncio.get_running_loop()
-        try:
-            endpoint = await asyncio.wait_for(self.router.route_endpoint.remote(), ROUTE_CHANNEL_TIMEOUT_S)
-            if endpoint is None:   # the router could not bind one
-                self._route_retry_at = loop.time() + ROUTE_CHANNEL_RETRY_S
-                return None
-            if self._zmq is None:
-                self._zmq = zmq.asyncio.Context()
-            self._drop_route_channel()
-            self._route_chan = RouteClient(self._zmq, endpoint, ROUTE_CHANNEL_TIMEOUT_S)
-            return self._route_chan
-        except BaseException:
-            self._route_retry_at = loop.time() + ROUTE_CHANNEL_RETRY_S
-            raise
-        finally:
-            if self._route_connecting is asyncio.current_task():
-                self._route_connecting = None
-
-    def _drop_route_channel(self, client: RouteClient | None = None) -> None:
-        """Close the route channel (only if it is still ``client``, when given)."""
-        c = self._route_chan
-        if c is not None and (client is None or c is client):
-            self._route_chan = None
-            c.close()
 
     async def _wait_alive(self, worker: str, timeout: float = 60.0) -> None:
         deadline = asyncio.get_running_loop().time() + timeout
@@ -361,11 +231,15 @@ class RayBackend:
             pending.add_done_callback(lambda _f: self._connecting.pop(worker, None))
         return await asyncio.shield(pending)
 
-    async def _connect(self, worker: str) -> ChannelClient:
+    def _zmq_context(self) -> zmq.asyncio.Context:
+        """The replica's one ZMQ context (one IO thread), for its token channels and its route channel."""
         if self._zmq is None:
             self._zmq = zmq.asyncio.Context()
+        return self._zmq
+
+    async def _connect(self, worker: str) -> ChannelClient:
         endpoint, requests = await asyncio.wait_for(self.workers[worker].channel_endpoints.remote(), self.timeout)
-        c = ChannelClient(self._zmq, endpoint, uuid.uuid4().bytes, requests)
+        c = ChannelClient(self._zmq_context(), endpoint, uuid.uuid4().bytes, requests)
         try:
             await c.ready(CHANNEL_CONNECT_S)
         except asyncio.TimeoutError:
@@ -380,7 +254,7 @@ class RayBackend:
         then their ZMQ context)."""
         for w in list(self._channels):
             self._drop_channel(w)
-        self._drop_route_channel()
+        self.routes.drop()
         if self._zmq is not None:
             self._zmq.destroy(linger=0)
             self._zmq = None
@@ -558,12 +432,6 @@ def torch_sum_rows(rows: list) -> list:
 # failed worker: retried like one), and how long a new channel may take to answer its hello.
 CHANNEL_GRACE_S = 10.0
 CHANNEL_CONNECT_S = 10.0
-# The route channel: how long an answer (or the router's endpoint) may take before the request goes over
-# Ray, and how long routes go over Ray after the endpoint could not be had.
-ROUTE_CHANNEL_TIMEOUT_S = 2.0
-ROUTE_CHANNEL_RETRY_S = 1.0
-# How long a route that was the only choice is taken as the next requests' (each answer renews it).
-SOLE_ROUTE_TTL_S = 1.0
 
 
 async def _first_item(items: AsyncIterator[StreamItem]) -> StreamItem | None:

@@ -46,7 +46,7 @@ def test_routes_go_over_the_channel(setup):
     assert before["endpoint"].startswith("tcp://")
 
     async def main():
-        return [await b._route([1, 2, 3], 48, ()) for _ in range(5)]
+        return [await b.routes.route([1, 2, 3], 48, ()) for _ in range(5)]
     got = asyncio.run(main())
     assert [r.prefill for r in got] == ["c0"] * 5 and all(r.decode is None for r in got)
     assert _channel(router)["answered"] == before["answered"] + 5
@@ -67,7 +67,7 @@ def test_a_router_killed_while_routes_flow_fails_none_and_its_new_channel_is_use
     async def flow(n: int) -> list:
         out = []
         for _ in range(n):
-            out.append(await asyncio.wait_for(b._route([4, 5], 32, ()), 30))   # never a hang
+            out.append(await asyncio.wait_for(b.routes.route([4, 5], 32, ()), 30))   # never a hang
             await asyncio.sleep(0.01)
         return out
 

@@ -1,9 +1,9 @@
-"""The ingress's sole route against a real router and a real colocated worker on a local Ray cluster
-(actors/ingress.RayBackend without Serve): while the router's last answer said the worker was the only
-choice (``Route.alone``), a request is on the worker's token channel before the router is asked, and the
-router is still asked for each (its count and load estimate), its prediction still the hit the worker
-delivers; a second worker makes the router's answer no longer the only choice, and the requests after it
-ask first again."""
+"""The ingress's sole route (actors/route_asker.py) against a real router and a real colocated worker on a
+local Ray cluster (actors/ingress.RayBackend without Serve): while the router's last answer said the worker
+was the only choice (``Route.alone``), a request is on the worker's token channel before the router is
+asked, and the router is still asked for each (its count and load estimate), its prediction still the hit
+the worker delivers; a second worker makes the router's answer no longer the only choice, and the requests
+after it ask first again."""
 from __future__ import annotations
 
 import asyncio
@@ -55,7 +55,7 @@ async def _requests(b, n: int, asked: list[int]) -> list:
     over the channel, how many requests the worker's token channel had open at that moment."""
     out = []
     for _ in range(n):
-        client = await b._route_client()
+        client = await b.routes.client()
         client.asked = asked
         if not hasattr(client, "ask"):
             client.ask = client.route
@@ -98,7 +98,7 @@ def test_a_second_worker_makes_the_next_requests_ask_first(setup):
             # so the second asks first. Both go to w0: the router knows w0 holds the prompt.
             assert asked == [1, 0], asked
             assert [s.prefill for s, _ in got] == ["w0", "w0"], got
-            assert b._sole is None
+            assert b.routes.sole(b.workers) is None
         finally:
             await router.remove_worker.remote("c1")
         asked = []
