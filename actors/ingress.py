@@ -93,7 +93,14 @@ class RayBackend:
                 # hashed here: ingress replicas scale, the router doesn't
                 keys = prompt_blocks(ids, self.geometry, self.router_cfg)
                 if sole is not None:
-                    served = await self.routes.confirm(sole, keys, len(ids), self.geometry.page_size)
+                    r = await self.routes.confirm(keys, len(ids))
+                    if r is None:
+                        served = Served(sole.prefill, sole.decode)   # not predicted: the router did not answer
+                    else:
+                        served = Served(r.prefill, r.decode, r.cached_pages * self.geometry.page_size)
+                        if (r.prefill, r.decode) != (sole.prefill, sole.decode):   # drained, or one added
+                            await _withdraw(first, items)
+                            first = items = None
                 elif pin is not None and pin.prefill in self.workers and pin.decode in (None, *self.workers) \
                         and not {pin.prefill, pin.decode} & set(avoid):
                     served = Served(pin.prefill, pin.decode)   # not predicted: the router was not asked
@@ -119,14 +126,7 @@ class RayBackend:
                 raise WorkerFailed(str(e).splitlines()[0][:300],
                                    tuple(w for w in (served.prefill, served.decode) if w)) from None
         finally:
-            if first is not None:
-                if not first.done():   # the client left before the first item
-                    first.cancel()
-                    await asyncio.wait((first,))
-                if not first.cancelled():
-                    first.exception()   # seen: the error of a request nobody reads any more is no news
-            if items is not None:
-                await items.aclose()   # the worker's part stops now, not when the generator is collected
+            await _withdraw(first, items)   # the worker's part stops now, not when the generator is collected
 
     def _lookup(self, worker: str) -> ActorHandle:
         """The handle of a worker this replica has not seen (added by ``strata scale``), by its name."""
@@ -432,6 +432,19 @@ def torch_sum_rows(rows: list) -> list:
 # failed worker: retried like one), and how long a new channel may take to answer its hello.
 CHANNEL_GRACE_S = 10.0
 CHANNEL_CONNECT_S = 10.0
+
+
+async def _withdraw(first: asyncio.Future | None, items: AsyncIterator[StreamItem] | None) -> None:
+    """Stop a request's items: the task reading its first one (cancelled if still waiting: the request is
+    aborted on its worker) and the stream itself (closed)."""
+    if first is not None:
+        if not first.done():
+            first.cancel()
+            await asyncio.wait((first,))
+        if not first.cancelled():
+            first.exception()   # seen: the error of a request nobody reads any more is no news
+    if items is not None:
+        await items.aclose()
 
 
 async def _first_item(items: AsyncIterator[StreamItem]) -> StreamItem | None:

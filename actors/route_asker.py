@@ -11,9 +11,10 @@ The sole choice: while the router's last answer was the only choice it had (``Ro
 worker of each role, a colocated or a 1P+1D cluster), the ingress sends a request to those workers at once
 and asks the router meanwhile (``confirm``, over the channel only): the round trip (~1 ms with the
 prompt's hashing, between processes woken from idle) overlaps the worker's step instead of coming before
-it, and the router still counts the request and predicts its hit. An answer that names other workers (one
-was added) or none (no channel, the router restarting) leaves that request where it went, unpredicted,
-and the next requests ask first.
+it, and the router still counts the request and predicts its hit. An answer that names other workers (an
+operator drained one, one was added) withdraws the request (aborted there, before any of its items is
+passed on) and sends it where the router says; no answer (no channel, the router restarting) leaves it
+where it went, unpredicted. Either ends the shortcut: the next requests ask first.
 """
 from __future__ import annotations
 
@@ -73,26 +74,25 @@ class RouteAsker:
         self._sole = (Served(r.prefill, r.decode), asyncio.get_running_loop().time() + SOLE_ROUTE_TTL_S) \
             if r.alone else None
 
-    async def confirm(self, sole: Served, keys: list[int], n: int, page_size: int) -> Served:
-        """Ask the router for the route of a request already sent to ``sole`` (over the channel only: the
-        request does not wait on Ray for a choice it has made). Its answer keeps or forgets the sole choice
-        and, when it names the same workers, gives the prediction; no answer, or another choice (a worker
-        was added), leaves the request where it went, unpredicted, and the next requests ask first."""
+    async def confirm(self, keys: list[int], n: int) -> Route | None:
+        """The router's route of a request already sent to the sole choice (over the channel only: the
+        request does not wait on Ray for a choice it has made), which keeps or forgets that choice; None
+        when no answer came (the request stays where it went, unpredicted, and the next requests ask
+        first). The caller withdraws the request when the answer names other workers (one drained, or
+        added)."""
         client = await self.client()
         try:
             if client is None:
                 raise ChannelDown("no route channel")
             r = await client.route(keys, n, [])
         except (ChannelDown, NoWorkerError, RouterError) as e:
-            log.info("sent to %s unconfirmed: %s", sole.prefill, e)
+            log.info("a request sent to the sole choice is unconfirmed: %s", e)
             if isinstance(e, ChannelDown) and client is not None:
                 self.drop(client)
             self._sole = None
-            return Served(sole.prefill, sole.decode)
+            return None
         self._learn(r)
-        if (r.prefill, r.decode) != (sole.prefill, sole.decode):
-            return Served(sole.prefill, sole.decode)
-        return Served(r.prefill, r.decode, r.cached_pages * page_size)
+        return r
 
     # ---- asking ------------------------------------------------------------------------------------------
     async def route(self, keys: list[int], n: int, avoid: tuple[str, ...], wait: float = 10.0) -> Route:

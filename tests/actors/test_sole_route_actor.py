@@ -3,7 +3,8 @@ local Ray cluster (actors/ingress.RayBackend without Serve): while the router's 
 was the only choice (``Route.alone``), a request is on the worker's token channel before the router is
 asked, and the router is still asked for each (its count and load estimate), its prediction still the hit
 the worker delivers; a second worker makes the router's answer no longer the only choice, and the requests
-after it ask first again."""
+after it ask first again; a request sent to a worker the operator has just drained is withdrawn there and
+served where the router says."""
 from __future__ import annotations
 
 import asyncio
@@ -105,3 +106,47 @@ def test_a_second_worker_makes_the_next_requests_ask_first(setup):
         await _requests(b, 2, asked)     # one worker again: learned from the next answer
         assert asked == [0, 1], asked
     asyncio.run(main())
+
+
+def test_a_request_sent_to_a_drained_worker_is_withdrawn_and_served_where_the_router_says(setup):
+    from actors.worker import WorkerActor
+    from storage.kv_events import KVEventsConfig
+    b, router = setup
+    path = str(resolve_model_path("strata-tiny"))
+    w1 = WorkerActor.options(num_cpus=0.5).remote("w1", "colocated", EngineConfig(
+        model=path, page_size=16, num_pages=256, torch_threads=1, enable_prefix_cache=True), router,
+        kv_events=KVEventsConfig())
+    ray.get(w1.start.remote(), timeout=180)
+    b.workers["w1"] = w1
+
+    async def main():
+        await router.drain.remote("w1")                        # w1 waits aside: w0 is the only choice
+        await _requests(b, 1, [])
+        assert b.routes.sole(b.workers).prefill == "w0"
+        await router.restore_worker.remote("w1")
+        await router.drain.remote("w0")                        # the operator drains w0 now
+        deadline = time.monotonic() + 30
+        while not (await router.status.remote())["workers"].get("w1", {}).get("live", False):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        asked: list[int] = []
+        got = await _requests(b, 1, asked)
+        assert asked == [1], asked                # sent to w0 before the router was asked
+        served, last = got[0]
+        assert served.prefill == "w1" and last.finished and last.error is None, got   # withdrawn, served by w1
+        assert served.predicted_cached_tokens == last.cached_tokens
+        assert b.routes.sole(b.workers).prefill == "w1"     # the only choice now
+        deadline = time.monotonic() + 10
+        while True:   # nothing left on w0 (an abort lands at its engine's next step)
+            load = await b.workers["w0"].load.remote()
+            if load["running"] == 0 and load["waiting"] == 0:
+                break
+            assert time.monotonic() < deadline, load
+            await asyncio.sleep(0.05)
+    try:
+        asyncio.run(main())
+    finally:
+        ray.get(router.restore_worker.remote("w0"), timeout=30)
+        ray.get(router.remove_worker.remote("w1"), timeout=30)
+        b.workers.pop("w1", None)
+        ray.kill(w1)
