@@ -12,8 +12,10 @@ WHOLE_SEND_TOKENS tokens or WHOLE_SEND_SECONDS (engine/async_engine.py), much as
 such a request's output: its reader wants only the whole answer. Requests come two ways:
 
 * over the channel itself (``ChannelClient.submit``): a PUSH beside the DEALER sends ``[SUBMIT, identity,
-  key, request]`` to the worker's PULL, whose own thread hands it to the engine thread (``on_request``);
-  ``[ABORT, identity, key]`` stops it. No Ray call: a Ray actor call costs ~1 ms of latency and ~0.3 ms
+  key, request]`` to the worker's PULL, which a worker's engine thread reads itself between its steps
+  and while idle (``ChannelServer.requests``, engine/async_engine.py ``set_inbox``: one thread woken per
+  request; a server built with ``read_requests`` hands them over from a thread of its own instead), and
+  ``on_request`` queues it to the engine; ``[ABORT, identity, key]`` stops it. No Ray call: a Ray actor call costs ~1 ms of latency and ~0.3 ms
   of CPU on each side, a ZMQ hop ~0.1 ms. What Ray's call gave is kept otherwise: a request the worker
   refuses comes back as ``[ERROR, payload]`` and is raised as its kind (ValueError, MemoryError); a worker
   that dies drops the DEALER's connection (or stops answering its heartbeats), which fails every open
@@ -198,7 +200,7 @@ class ChannelServer:
                  on_abort: Callable[[Route], None] | None = None,
                  on_handoff: Callable[[Route, Handoff], None] | None = None,
                  on_leased: Callable[[Route, Leased], None] | None = None,
-                 on_reserve: Callable[[Route, Reserve], None] | None = None) -> None:
+                 on_reserve: Callable[[Route, Reserve], None] | None = None, read_requests: bool = True) -> None:
         self._ctx = zmq.Context(1)
         try:
             self._sock, self.endpoint = bind_random(self._ctx, zmq.ROUTER, host, ((zmq.ROUTER_HANDOVER, 1),))
@@ -211,17 +213,25 @@ class ChannelServer:
         self.sent_messages = 0   # messages of items sent (tests, profiling)
         self._thread = threading.Thread(target=self._serve_hellos, name="strata-token-channel", daemon=True)
         self._thread.start()
-        # Requests over the channel: a PULL of its own, read by its own thread (blocked in recv, without
-        # the GIL), so a request never waits on the ROUTER's shared socket and its lock.
+        # Requests over the channel: a PULL of its own, so a request never waits on the ROUTER's shared
+        # socket and its lock. Read by its own thread (blocked in recv, without the GIL), or, without
+        # ``read_requests``, by one thread of the owner's (``requests``: a worker's engine thread, which then
+        # is the only thread a request wakes) that closes it too.
         self.on_request, self.on_abort, self.on_handoff = on_request, on_abort, on_handoff
         self.on_leased, self.on_reserve = on_leased, on_reserve
         self.requests_endpoint: str | None = None
         self.received_requests = 0
+        self._typed = {HANDOFF: (Handoff, on_handoff), LEASED: (Leased, on_leased), RESERVE: (Reserve, on_reserve)}
+        self._req_thread: threading.Thread | None = None
+        self.requests: _Requests | None = None
         if on_request is not None:
             self._pull, self.requests_endpoint = bind_random(self._ctx, zmq.PULL, host)
-            self._req_thread = threading.Thread(target=self._serve_requests, name="strata-token-requests",
-                                                daemon=True)
-            self._req_thread.start()
+            if read_requests:
+                self._req_thread = threading.Thread(target=self._serve_requests, name="strata-token-requests",
+                                                    daemon=True)
+                self._req_thread.start()
+            else:
+                self.requests = _Requests(self)
 
     def route(self, channel: bytes, key: int) -> Route:
         """The route of a request from the client ``channel``; StaleChannel if it never said hello here."""
@@ -262,49 +272,48 @@ class ChannelServer:
                 self._sock.send_multipart((route.channel, kind, payload), copy=False)
 
     def _serve_requests(self) -> None:
-        # The requests that are one pickled NamedTuple each: its type, and who takes it.
-        typed = {HANDOFF: (Handoff, self.on_handoff), LEASED: (Leased, self.on_leased),
-                 RESERVE: (Reserve, self.on_reserve)}
         try:
-            self._serve_requests_until_closed(typed)
+            while not self._closed.is_set():
+                try:
+                    frames = self._pull.recv_multipart()
+                except zmq.ZMQError:   # the context is terminating (close)
+                    return
+                self._handle(frames)
         finally:   # this thread owns the socket, and close()'s term waits for it: closed on every way out
             self._pull.close(linger=0)
 
-    def _serve_requests_until_closed(self, typed: dict) -> None:
-        while not self._closed.is_set():
-            try:
-                frames = self._pull.recv_multipart()
-            except zmq.ZMQError:   # the context is terminating (close)
-                return
-            try:
-                kind, channel, key = frames[0], frames[1], int.from_bytes(frames[2], "little")
-                if kind == SUBMIT and len(frames) == 4:
-                    self.received_requests += 1
-                    route = Route(channel, key)
-                    try:
-                        ids, params, whole = pickle.loads(frames[3])
-                    except Exception as e:  # noqa: BLE001 - a request that cannot be read is refused, not dropped
-                        self.send_error(route, ValueError(f"request cannot be read: {e!r}"))
-                        continue
-                    self.on_request(route, ids, params, bool(whole))
-                elif kind in typed and len(frames) >= 4 and typed[kind][1] is not None:
-                    want, handler = typed[kind]
-                    self.received_requests += 1
-                    route = Route(channel, key)
-                    try:   # (a LEASED's receipt KV comes out of band, in the frames after it)
-                        x = pickle.loads(frames[3], buffers=frames[4:])
-                        if not isinstance(x, want):
-                            raise TypeError(f"expected a {want.__name__}, got {type(x).__name__}")
-                    except Exception as e:  # noqa: BLE001 - refused, not dropped: its sender waits for the answer
-                        self.send_error(route, ValueError(f"request cannot be read: {e!r}"))
-                        continue
-                    handler(route, x)
-                elif kind == ABORT and self.on_abort is not None:
-                    self.on_abort(Route(channel, key))
-                else:
-                    log.warning("token channel: unexpected request of %d frames", len(frames))
-            except Exception:  # noqa: BLE001 - one bad request must not stop the others
-                log.exception("token channel: handling a request failed")
+    def _handle(self, frames: list) -> None:
+        """One request off the PULL: to its handler (the kinds that are one pickled NamedTuple each: to the
+        handler of their type); one that cannot be read is refused to its sender, not dropped."""
+        try:
+            kind, channel, key = frames[0], frames[1], int.from_bytes(frames[2], "little")
+            if kind == SUBMIT and len(frames) == 4:
+                self.received_requests += 1
+                route = Route(channel, key)
+                try:
+                    ids, params, whole = pickle.loads(frames[3])
+                except Exception as e:  # noqa: BLE001 - a request that cannot be read is refused, not dropped
+                    self.send_error(route, ValueError(f"request cannot be read: {e!r}"))
+                    return
+                self.on_request(route, ids, params, bool(whole))
+            elif kind in self._typed and len(frames) >= 4 and self._typed[kind][1] is not None:
+                want, handler = self._typed[kind]
+                self.received_requests += 1
+                route = Route(channel, key)
+                try:   # (a LEASED's receipt KV comes out of band, in the frames after it)
+                    x = pickle.loads(frames[3], buffers=frames[4:])
+                    if not isinstance(x, want):
+                        raise TypeError(f"expected a {want.__name__}, got {type(x).__name__}")
+                except Exception as e:  # noqa: BLE001 - refused, not dropped: its sender waits for the answer
+                    self.send_error(route, ValueError(f"request cannot be read: {e!r}"))
+                    return
+                handler(route, x)
+            elif kind == ABORT and self.on_abort is not None:
+                self.on_abort(Route(channel, key))
+            else:
+                log.warning("token channel: unexpected request of %d frames", len(frames))
+        except Exception:  # noqa: BLE001 - one bad request must not stop the others
+            log.exception("token channel: handling a request failed")
 
     def _serve_hellos(self) -> None:
         fd = self._sock.getsockopt(zmq.FD)
@@ -330,11 +339,33 @@ class ChannelServer:
             self._closed.set()
             self._sock.close(linger=0)
         self._thread.join(timeout=2)
+        if self.requests is not None and not self.requests.closed:   # its reader did not close it (detach)
+            self.requests.close()
         # Ends the request thread's blocking recv (ETERM), which then closes its socket; term returns once
         # it has.
         self._ctx.term()
-        if self.on_request is not None:
+        if self._req_thread is not None:
             self._req_thread.join(timeout=2)
+
+
+class _Requests:
+    """A ChannelServer's requests read by one thread of its owner's (``ChannelServer.requests``): what
+    engine.async_engine's ``set_inbox`` takes. Only that thread may take and close."""
+
+    def __init__(self, server: ChannelServer) -> None:
+        self._server, self._pull = server, server._pull
+        self.fd: int = self._pull.getsockopt(zmq.FD)
+        self.closed = False
+
+    def take(self) -> None:
+        # The FD is edge-triggered: it signals again only once every waiting message was read.
+        while not self.closed and self._pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._server._handle(self._pull.recv_multipart(zmq.NOBLOCK))
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._pull.close(linger=0)
 
 
 class ChannelClient:

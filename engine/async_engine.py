@@ -9,11 +9,13 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import os
 import queue
+import select
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, NamedTuple
+from typing import Any, AsyncIterator, Callable, NamedTuple, Protocol
 
 from storage.transfer.base import KVPayload
 from engine.engine import Engine
@@ -95,10 +97,32 @@ class _Sink:
     held_at: float = 0.0
 
 
+class Inbox(Protocol):
+    """Requests the engine thread reads itself (a worker's token channel, actors/token_channel.py): one
+    thread woken per request, not a reader thread and then the engine thread."""
+
+    fd: int   # readable (edge-triggered, as a ZMQ socket's) when requests may be waiting
+
+    def take(self) -> None:
+        """Handle every request waiting, without blocking (on the engine thread)."""
+
+    def close(self) -> None:
+        """Close it (on the engine thread, once it is no longer read)."""
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine, name: str = "engine") -> None:
         self.engine = engine
         self._cmds: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
+        # An inbox (set_inbox) is polled beside the commands while the engine is idle: a command wakes that
+        # poll through this pipe, written only while the engine thread sleeps in it.
+        self._inbox: Inbox | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poll = select.poll()
+        self._poll.register(self._wake_r, select.POLLIN)
+        self._sleeping = False
         self._streams: dict[str, _Sink] = {}
         self._ids = itertools.count()
         self._stop = False
@@ -131,11 +155,13 @@ class AsyncEngine:
             busy = self.engine.has_unfinished()
             cache = self.engine.cache
             copying = cache.copier.num_pending > 0 or cache.prefetching()   # an aborted request's L3 read
+            if self._inbox is not None:
+                self._take_inbox()
             try:
                 if busy:
                     cmd = self._cmds.get_nowait()
                 else:  # idle: still apply finished background copies (L2 backups, L3 writes) promptly
-                    cmd = self._cmds.get(timeout=0.01 if copying or self._deferred else None)
+                    cmd = self._wait(0.01 if copying or self._deferred else None)
             except queue.Empty:
                 cmd = None
             polled = copying and not busy
@@ -168,6 +194,76 @@ class AsyncEngine:
                     self._check(f"after step {self.steps}")
             if self._routed or self._routed_last:   # a step's items, or a request finished by a command
                 self._flush_routed()
+
+    def _wait(self, timeout: float | None) -> Callable[[], None]:
+        """The next command, waiting up to ``timeout`` s (None: for ever) for one, or for the inbox's
+        requests (which queue theirs); queue.Empty if none came."""
+        if self._inbox is None:
+            return self._cmds.get(timeout=timeout)
+        self._sleeping = True   # from here on a command's sender writes the eventfd (_command)
+        try:
+            try:
+                return self._cmds.get_nowait()
+            except queue.Empty:
+                pass
+            self._poll.poll(None if timeout is None else timeout * 1000)
+        finally:
+            self._sleeping = False
+        try:
+            os.read(self._wake_r, 4096)
+        except BlockingIOError:   # woken by the inbox, not by a command
+            pass
+        if self._inbox is not None:
+            self._take_inbox()
+        return self._cmds.get_nowait()
+
+    def _take_inbox(self) -> None:
+        try:
+            self._inbox.take()
+        except Exception as e:  # noqa: BLE001 - a broken inbox must not stop the engine: it is dropped
+            log.exception("the engine's inbox failed; it is no longer read")
+            self._detach(self._inbox, e)
+
+    def _detach(self, inbox: Inbox, why: BaseException | None = None) -> None:
+        if self._inbox is inbox:
+            self._inbox = None
+            self._poll.unregister(inbox.fd)
+        try:
+            inbox.close()
+        except Exception:  # noqa: BLE001
+            if why is None:
+                raise
+
+    def set_inbox(self, inbox: Inbox) -> None:
+        """Read ``inbox`` on the engine thread from now on (until ``detach_inbox``)."""
+        def attach() -> None:
+            self._inbox = inbox
+            self._poll.register(inbox.fd, select.POLLIN)
+        self._command(attach)
+
+    def detach_inbox(self, inbox: Inbox, timeout: float = 2.0) -> None:
+        """Stop reading ``inbox`` and close it on the engine thread; closed here if that thread does not
+        answer within ``timeout`` (it is gone or stuck: it reads nothing then)."""
+        done = threading.Event()
+
+        def detach() -> None:
+            try:
+                self._detach(inbox)
+            finally:
+                done.set()
+        self._command(detach)
+        if not done.wait(timeout) and self._inbox is inbox:
+            log.warning("the engine thread did not close its inbox in %.0f s; closed from here", timeout)
+            self._inbox = None
+            inbox.close()
+
+    def _command(self, cmd: Callable[[], None]) -> None:
+        self._cmds.put(cmd)
+        if self._sleeping:
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:   # the pipe is full of wakes already
+                pass
 
     def _flush_routed(self) -> None:
         routed, last = self._routed, self._routed_last
@@ -249,7 +345,7 @@ class AsyncEngine:
             except BaseException as e:
                 loop.call_soon_threadsafe(_settle, fut, None, e)
 
-        self._cmds.put(cmd)
+        self._command(cmd)
         return fut
 
     def call_blocking(self, fn: Callable[[Engine], Any], timeout: float | None = 30.0) -> Any:
@@ -262,7 +358,7 @@ class AsyncEngine:
             except BaseException as e:
                 fut.set_exception(e)
 
-        self._cmds.put(cmd)
+        self._command(cmd)
         return fut.result(timeout)
 
     # ---- requests ------------------------------------------------------------------------------------
@@ -293,7 +389,7 @@ class AsyncEngine:
                     return
         finally:
             if rid in self._streams:  # the consumer went away: stop computing for it
-                self._cmds.put(lambda: self._abort_now(rid))
+                self._command(lambda: self._abort_now(rid))
 
     def _abort_now(self, rid: str) -> None:
         sink = self._streams.pop(rid, None)
@@ -323,10 +419,11 @@ class AsyncEngine:
 
     def submit_routed(self, prompt, params: SamplingParams, route: Any,
                       refused: Callable[[Any, BaseException], None], whole: bool = False) -> None:
-        """``generate`` with a ``route`` for a caller without an event loop (a token channel's request
-        thread): queued to the engine thread and returned at once. Every item goes to ``on_step``; a request
-        the engine refuses goes to ``refused(route, error)`` instead. A flush's hold defers the admission
-        until it ends. ``abort_routed(route)`` stops it. ``whole``: as in ``generate``."""
+        """``generate`` with a ``route`` for a caller without an event loop (a token channel's reader, the
+        engine thread itself with an inbox): queued to the engine thread and returned at once. Every item
+        goes to ``on_step``; a request the engine refuses goes to ``refused(route, error)`` instead. A
+        flush's hold defers the admission until it ends. ``abort_routed(route)`` stops it. ``whole``: as in
+        ``generate``."""
         if self.on_step is None:
             raise ValueError("a routed request needs on_step (where its items go)")
         rid = self.new_rid()
@@ -350,7 +447,7 @@ class AsyncEngine:
                 self._emit(rid, list(req.output_ids), True)
 
         add.route = route   # type: ignore[attr-defined]   (abort_routed finds a deferred one by it)
-        self._cmds.put(add)
+        self._command(add)
 
     def abort_routed(self, route: Any) -> None:
         """Stop the ``submit_routed`` request of ``route`` (a no-op once it is over)."""
@@ -360,7 +457,7 @@ class AsyncEngine:
                 self._abort_now(rid)
             else:   # still held back by a flush: never admitted
                 self._deferred = [a for a in self._deferred if getattr(a, "route", None) != route]
-        self._cmds.put(stop)
+        self._command(stop)
 
     async def prefill(self, prompt, params: SamplingParams, rid: str | None = None) -> PrefillResult:
         """Compute the prompt and its first token only, keeping the prompt's KV for a decode engine (a
@@ -457,6 +554,9 @@ class AsyncEngine:
 
     def close(self) -> None:
         self._stop = True
-        self._cmds.put(lambda: None)
+        self._command(lambda: None)
         self._thread.join(timeout=5)
         self.engine.close()
+        if not self._thread.is_alive():
+            os.close(self._wake_r)
+            os.close(self._wake_w)

@@ -4,6 +4,7 @@ dropped, a client that never said hello is stale, the race between a call's retu
 and the AsyncEngine's per-step hook that feeds the channel."""
 import asyncio
 import math
+import threading
 import time
 import uuid
 
@@ -297,16 +298,66 @@ async def _run(gen):
         pass
 
 
-# ---- requests over the channel: no Ray call (ChannelClient.submit -> the worker's request thread) ----
+# ---- requests over the channel: no Ray call (ChannelClient.submit -> the worker's engine thread) ----
 
-@pytest.fixture
-def serving(core):
-    """A server whose requests go straight to the engine thread, as WorkerActor wires it."""
+@pytest.fixture(params=["engine_thread", "request_thread"])
+def serving(core, request):
+    """A server whose requests go straight to the engine thread: read by that thread itself (its inbox, as
+    WorkerActor wires it), or by the channel's own request thread."""
+    inbox = request.param == "engine_thread"
     s = ChannelServer("127.0.0.1", on_request=lambda route, ids, params, whole: core.submit_routed(
-        ids, params, route, s.send_error, whole=whole), on_abort=core.abort_routed)
+        ids, params, route, s.send_error, whole=whole), on_abort=core.abort_routed, read_requests=not inbox)
     core.on_step = s.send_step
+    if inbox:
+        core.set_inbox(s.requests)
     yield s
+    if inbox:
+        core.detach_inbox(s.requests)
+        assert s.requests.closed
     s.close()
+
+
+def test_the_engine_thread_reads_the_requests_itself_and_closes_them_when_detached(core):
+    """With ``read_requests=False`` no thread of the channel reads requests: the engine thread takes each off
+    the socket (its inbox), idle or between steps, and the commands other threads send still wake it;
+    detached, it closes the socket and the server closes at once."""
+    seen: list[str] = []
+
+    def on_request(route, ids, params, whole):
+        seen.append(threading.current_thread().name)
+        core.submit_routed(ids, params, route, s.send_error, whole=whole)
+    s = ChannelServer("127.0.0.1", on_request=on_request, on_abort=core.abort_routed, read_requests=False)
+    core.on_step = s.send_step
+    core.set_inbox(s.requests)
+    assert "strata-token-requests" not in {t.name for t in threading.enumerate()}
+    sp = SamplingParams(max_new_tokens=5, ignore_eos=True)
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        c = await _requester(s, ctx)
+        got = []
+        for p in ([3, 1, 4], [1, 5, 9, 2], [6, 5, 3]):   # one at a time: each wakes an idle engine thread
+            k, q = c.open()
+            c.submit(k, p, sp)
+            got.append([t for i in await _items(q) for t in i.token_ids])
+            assert await core.call(lambda e: e.has_unfinished()) is False   # a command wakes it too
+        keys = [c.open() for _ in range(3)]   # several at once: read between its steps
+        for k, _ in keys:
+            c.submit(k, list(range(3, 30)), SamplingParams(max_new_tokens=20, ignore_eos=True))
+        together = await asyncio.gather(*(_items(q) for _, q in keys))
+        c.close()
+        ctx.term()
+        return got, together
+    got, together = asyncio.run(main())
+    direct = [core.call_blocking(lambda e, p=p: e.generate(p, sp)[0].token_ids) for p in ([3, 1, 4], [1, 5, 9, 2],
+                                                                                        [6, 5, 3])]
+    assert got == direct and all(len(t) == 20 for t in (sum((i.token_ids for i in r), []) for r in together))
+    assert seen == ["strata-engine"] * 6 and s.received_requests == 6
+    core.detach_inbox(s.requests)
+    assert s.requests.closed and core._inbox is None
+    t = time.monotonic()
+    s.close()
+    assert time.monotonic() - t < 1.0
 
 
 async def _requester(server, ctx):
