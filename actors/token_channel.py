@@ -12,10 +12,11 @@ WHOLE_SEND_TOKENS tokens or WHOLE_SEND_SECONDS (engine/async_engine.py), much as
 such a request's output: its reader wants only the whole answer. Requests come two ways:
 
 * over the channel itself (``ChannelClient.submit``): a PUSH beside the DEALER sends ``[SUBMIT, identity,
-  key, request]`` to the worker's PULL, which a worker's engine thread reads itself between its steps
-  and while idle (``ChannelServer.requests``, engine/async_engine.py ``set_inbox``: one thread woken per
-  request; a server built with ``read_requests`` hands them over from a thread of its own instead), and
-  ``on_request`` queues it to the engine; ``[ABORT, identity, key]`` stops it. No Ray call: a Ray actor call costs ~1 ms of latency and ~0.3 ms
+  key, request]`` to the worker's PULL, which a colocated worker's engine thread reads itself between
+  its steps and while idle (``ChannelServer.requests``, engine/async_engine.py ``set_inbox``: one thread
+  woken per request; a server built with ``read_requests``, a prefill or decode worker's, hands them over
+  from a thread of its own instead), and ``on_request`` queues it to the engine; ``[ABORT, identity,
+  key]`` stops it. No Ray call: a Ray actor call costs ~1 ms of latency and ~0.3 ms
   of CPU on each side, a ZMQ hop ~0.1 ms. What Ray's call gave is kept otherwise: a request the worker
   refuses comes back as ``[ERROR, payload]`` and is raised as its kind (ValueError, MemoryError); a worker
   that dies drops the DEALER's connection (or stops answering its heartbeats), which fails every open
@@ -360,7 +361,11 @@ class _Requests:
     def take(self) -> None:
         # The FD is edge-triggered: it signals again only once every waiting message was read.
         while not self.closed and self._pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._server._handle(self._pull.recv_multipart(zmq.NOBLOCK))
+            try:
+                frames = self._pull.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:   # (EVENTS said a message was there: it was not whole yet)
+                return
+            self._server._handle(frames)
 
     def close(self) -> None:
         if not self.closed:

@@ -70,12 +70,14 @@ class WorkerActor:
         # requests to this worker alone come in on it (no Ray call: _channel_request), and so do the P/D
         # requests it prefills (_channel_handoff), whose lease it reserves on the decode worker over that
         # worker's channel (RESERVE: _channel_reserve there) and whose decode half it hands on there too
-        # (LEASED: _channel_leased there). The engine thread reads those requests itself (its inbox), so a
-        # request wakes that thread alone.
+        # (LEASED: _channel_leased there). A colocated worker's engine thread reads those requests itself
+        # (its inbox), so a request wakes that thread alone. Prefill and decode workers keep the channel's
+        # own request thread: with the inbox, 5 of 6 1P+1D bench runs had the 64-token request slower
+        # (session 27, README), for a reason not found yet.
         self.channel = ChannelServer(channel_host(kv_events), on_request=self._channel_request,
                                      on_abort=self._channel_abort, on_handoff=self._channel_handoff,
                                      on_leased=self._channel_leased, on_reserve=self._channel_reserve,
-                                     read_requests=False)
+                                     read_requests=role != "colocated")
         self._loop: asyncio.AbstractEventLoop | None = None   # the actor's event loop (channel_endpoints)
         self._handoffs: dict[Route, asyncio.Task] = {}         # P/D requests from the channel, by route
         self._aborted: OrderedDict[Route, None] = OrderedDict()   # ABORTs that came before their request
@@ -86,7 +88,8 @@ class WorkerActor:
         self._decode_channels: dict[tuple[str, str], asyncio.Task] = {}
         self._zctx = None
         self.core.on_step = self.channel.send_step
-        self.core.set_inbox(self.channel.requests)
+        if self.channel.requests is not None:
+            self.core.set_inbox(self.channel.requests)
         self.router = router
         self.report_interval = report_interval
         # The report thread's own DEALER to the router's route channel (no Ray call per report); None
@@ -129,7 +132,8 @@ class WorkerActor:
     def __ray_shutdown__(self) -> None:
         """A graceful exit (Ray calls this): stop the threads, close the sockets."""
         self._stop.set()
-        self.core.detach_inbox(self.channel.requests)
+        if self.channel.requests is not None:
+            self.core.detach_inbox(self.channel.requests)
         self.channel.close()
         self.leased_out.close()
         for t in self._decode_channels.values():
@@ -559,8 +563,8 @@ class WorkerActor:
         return self.channel.endpoint, self.channel.requests_endpoint
 
     def _channel_abort(self, route: Route) -> None:
-        """ABORT over the channel (read on the engine thread): a request on this engine, or a handoff (its
-        prefill, or its decode call on the decode worker)."""
+        """ABORT over the channel (its reader: a colocated worker's engine thread, else its request thread): a
+        request on this engine, or a handoff (its prefill, or its decode call on the decode worker)."""
         self.core.abort_routed(route)
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._cancel_handoff, route)
@@ -575,7 +579,7 @@ class WorkerActor:
                 self._aborted.popitem(last=False)
 
     def _channel_handoff(self, route: Route, h: Handoff) -> None:
-        """A P/D request over the channel (read on the engine thread): run on the actor's event loop."""
+        """A P/D request over the channel (its request thread): run on the actor's event loop."""
         if self._loop is None:   # cannot be: the client asked channel_endpoints before sending
             self.channel.send_error(route, RuntimeError("handoff before channel_endpoints"))
             return
@@ -615,8 +619,8 @@ class WorkerActor:
             self.channel.send_done(route)
 
     def _channel_reserve(self, route: Route, r: Reserve) -> None:
-        """A prefill worker's RESERVE over the channel (read on the engine thread): ``reserve`` on the event
-        loop, its answer (or refusal) back to that worker's channel."""
+        """A prefill worker's RESERVE over the channel (its request thread): ``reserve`` on the event loop,
+        its answer (or refusal) back to that worker's channel."""
         if self._loop is None:   # cannot be: an ingress asked channel_endpoints before naming this worker
             self.channel.send_error(route, RuntimeError("reserve before channel_endpoints"))
             return
@@ -631,8 +635,7 @@ class WorkerActor:
             self.channel.send_reserved(route, dest)
 
     def _channel_leased(self, route: Route, d: Leased) -> None:
-        """A decode half over the channel (read on the engine thread), from a prefill worker: on the event
-        loop."""
+        """A decode half over the channel (its request thread), from a prefill worker: on the event loop."""
         if self._loop is None:   # cannot be: the ingress asked channel_endpoints before it could send
             self.channel.send_error(route, RuntimeError("leased request before channel_endpoints"))
             return
@@ -665,8 +668,9 @@ class WorkerActor:
             self.channel.send_error(route, e)
 
     def _channel_request(self, route, ids, params, whole: bool = False) -> None:
-        """A request that came over the token channel (read on the engine thread): queued to it, its items
-        back on the channel (merged for a ``whole`` one), a refusal as the client's error."""
+        """A request that came over the token channel (its reader: a colocated worker's engine thread, else
+        its request thread): queued to the engine thread, its items back on the channel (merged for a
+        ``whole`` one), a refusal as the client's error."""
         if not isinstance(params, SamplingParams):
             self.channel.send_error(route, ValueError(f"sampling params: expected SamplingParams, "
                                                       f"got {type(params).__name__}"))
