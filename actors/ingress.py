@@ -82,9 +82,11 @@ class RayBackend:
         first: asyncio.Future | None = None   # the sole worker's first item, asked before the route's answer
         try:
             try:
-                if self.router_cfg is None:
-                    self.router_cfg = await self.router.config.remote()
-                    self.geometry = await self.router.geometry.remote()
+                if self.router_cfg is None or self.geometry is None:
+                    # Both set at once: a request that came while the first one waited here saw router_cfg
+                    # set and geometry still None (a 500 in CI's multiturn test, two requests at start).
+                    cfg, geometry = await self.router.config.remote(), await self.router.geometry.remote()
+                    self.router_cfg, self.geometry = cfg, geometry
                 sole = self.routes.sole(self.workers) if pin is None and not avoid else None
                 if sole is not None:
                     items = self.kv_handoff.run(ids, params, sole.prefill, sole.decode, whole)

@@ -200,7 +200,7 @@ class AsyncEngine:
         requests (which queue theirs); queue.Empty if none came."""
         if self._inbox is None:
             return self._cmds.get(timeout=timeout)
-        self._sleeping = True   # from here on a command's sender writes the eventfd (_command)
+        self._sleeping = True   # from here on a command's sender writes the wake pipe (_command)
         try:
             try:
                 return self._cmds.get_nowait()

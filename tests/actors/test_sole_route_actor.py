@@ -150,3 +150,27 @@ def test_a_request_sent_to_a_drained_worker_is_withdrawn_and_served_where_the_ro
         ray.get(router.remove_worker.remote("w1"), timeout=30)
         b.workers.pop("w1", None)
         ray.kill(w1)
+
+
+def test_a_request_that_comes_while_the_first_fetches_the_routers_config_waits_for_all_of_it(setup):
+    """A fresh replica fetches the router's config and geometry at its first request; a second request
+    that comes in between (it saw one set, the other not yet) once hashed its prompt with no geometry (a
+    500 in CI's multiturn test, two requests at start). Both are set at once now."""
+    from actors.ingress import RayBackend
+    b, router = setup
+    fresh = RayBackend(router, dict(b.workers), "strata-tiny", b.model_path, 256, 8192, request_timeout=60.0)
+
+    async def one():
+        return [i async for i in fresh.stream(PROMPT, SP)]
+
+    async def main():
+        first = asyncio.ensure_future(one())
+        while fresh.router_cfg is None and not first.done():
+            await asyncio.sleep(0)
+        assert fresh.geometry is not None or first.done()   # never one without the other
+        return await asyncio.gather(first, one())
+    try:
+        got = asyncio.run(main())
+    finally:
+        fresh.close_channels()
+    assert [sum(len(i.token_ids) for i in items) for items in got] == [4, 4]
