@@ -18,7 +18,6 @@ import dataclasses
 import json
 import math
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -35,6 +34,7 @@ from actors.routing import RouterConfig
 from engine.config import EngineConfig
 from storage.config import HiCacheConfig
 from storage.l3.config import L3Config
+from storage.ports import free_port
 
 QUICK = WorkloadConfig(num_clients=7, num_rounds=4, request_length=640, sub_question_length=32,
                        output_length=16, max_parallel=2, seed=0)
@@ -74,12 +74,6 @@ def variants(num_pages: int, host_pages: int, l3_dir: str) -> list[Variant]:
         v("2P prefix router", l2, workers=two),
         v("2P round-robin", l2, workers=two, policy="round_robin"),
     ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _dir_bytes(path: str) -> int:

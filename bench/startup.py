@@ -15,7 +15,6 @@ import glob
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import httpx
 import yaml
 
 from bench.common import table, write_json
+from storage.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 # Lines that read as errors to an operator: Ray's glog "E"/"F" prefix, Python's ERROR/CRITICAL records,
@@ -34,12 +34,6 @@ ROOT = Path(__file__).resolve().parent.parent
 ALARMING = re.compile(r"(^\[?[EF]\d{4} |^[EF]\d{4}|\bERROR\b|\bCRITICAL\b|Traceback \(most recent call last\)|"
                       r"Connecting to existing Serve app|constructor arguments in the object store)")
 PHASE = re.compile(r"strata: start-up ([\d.]+)s: (.*)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def alarming(lines: list[str]) -> list[str]:

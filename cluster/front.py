@@ -6,7 +6,8 @@ sets it before its first ``import ray``."""
 from __future__ import annotations
 
 import os
-import socket
+
+from storage.ports import free_ports
 
 
 def front_env(front: str = "haproxy", tmpdir: str | None = None) -> dict[str, str]:
@@ -24,6 +25,7 @@ def front_env(front: str = "haproxy", tmpdir: str | None = None) -> dict[str, st
     base = os.path.join(tmp, "hap")
     if len(base) + 70 > 97:     # + "/<56-hex node id>/metrics.sock"; HAProxy takes socket paths up to 97 bytes
         base = "/tmp/haproxy-serve"
+    metrics_port, stats_port, fallback_port = free_ports(3, "")   # HAProxy binds them on every interface
     return {
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
         # HAProxy answers strata's 503 "starting" for a path no app routes yet (actors/lifecycle.py).
@@ -39,18 +41,10 @@ def front_env(front: str = "haproxy", tmpdir: str | None = None) -> dict[str, st
         "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": base,
         "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": f"{base}/server-state",
         "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": f"{base}/metrics.sock",
-        "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
-        "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),
-        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(_free_port()),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics_port),
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(stats_port),
+        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(fallback_port),
     }
-
-
-def _free_port() -> int:
-    """A TCP port free on every interface now (the kernel's ephemeral range: clear of Ray's worker ports,
-    10002-19999, and of the ingress replicas' direct-ingress range, 30000-31000)."""
-    with socket.socket() as sk:
-        sk.bind(("", 0))
-        return sk.getsockname()[1]
 
 
 _front_keys: set[str] = set()      # what set_front_env wrote (others in os.environ are the user's)

@@ -1,29 +1,9 @@
 """Small helpers the test tiers share."""
 import os
-import random
 import signal
-import socket
 import time
 
-
-# Where free_port looks: below Linux's ephemeral range (32768-60999, where the kernel picks the local port of
-# every outgoing connection, so a port picked there can be taken by any connect() before the server binds
-# it), above Ray's worker ports (10002-19999), clear of Serve's direct-ingress ranges (30000-31000, 40000-).
-FREE_PORTS = range(20000, 30000)
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now. Another process could still bind it before the caller does,
-    but nothing takes it by chance: it is outside the ranges the kernel and Ray hand out."""
-    for _ in range(200):
-        port = random.choice(FREE_PORTS)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {FREE_PORTS} after 200 tries")
+from storage.ports import free_port  # noqa: F401 - the tests' one way to pick a port
 
 
 def _processes() -> dict[int, tuple[int, str]]:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from storage.l3.base import HEADER_BYTES, KEY_PREFIX, L3Store, encode_header, host_location, key_digest, log
+from storage.ports import free_port
 
 OBJECT_NOT_FOUND = -704
 # Present but unreadable as this page: larger than the buffers (INVALID_PARAMS) or smaller (TRANSFER_FAIL).
@@ -296,12 +297,6 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)   # PR_SET_PDEATHSIG, SIGKILL
     except OSError:
         pass
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class MooncakeMaster:

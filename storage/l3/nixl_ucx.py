@@ -139,7 +139,7 @@ class SlabServerProcess:
 
     def __init__(self, capacity_bytes: int, slot_bytes: int, host: str = "127.0.0.1", port: int = 0,
                  authkey: str = "strata-l3", log_path: str | None = None) -> None:
-        from storage.l3.mooncake import free_port   # stdlib-only helpers; no mooncake import
+        from storage.ports import free_port
         self.host, self.port = host, port or free_port(host)
         self.args = [sys.executable, "-m", "storage.l3.nixl_ucx", "--host", host, "--port", str(self.port),
                      "--capacity-bytes", str(capacity_bytes), "--slot-bytes", str(slot_bytes), "--authkey", authkey]

@@ -85,7 +85,8 @@ def test_frozen_master_times_out_instead_of_hanging(own_master, tmp_path, keys):
 
 
 def test_absent_master_fails_fast_at_open(mooncake_master, tmp_path):
-    from storage.l3.mooncake import MooncakeMaster, free_port
+    from storage.l3.mooncake import MooncakeMaster
+    from storage.ports import free_port
 
     class Nowhere:
         addr = f"127.0.0.1:{free_port()}"

@@ -101,7 +101,7 @@ def test_killed_master_means_misses_until_the_service_restarts_it(mooncake_maste
     """Engine A writes, engine B reads through a master the storage service owns. Killing the master
     turns L3 into misses (bounded by the client's op timeout, tokens still right); the service restarts
     it and L3 serves again."""
-    from storage.l3.mooncake import free_port
+    from storage.ports import free_port
 
     l3 = L3Config(backend="mooncake", capacity_bytes=64 << 20, prefetch_policy="wait_complete", prefetch_min_tokens=0,
                   mooncake=dict(master_addr=f"127.0.0.1:{free_port()}", **MOONCAKE_TEST))

@@ -83,10 +83,13 @@ def test_config_access_log_is_off_unless_asked():
 
 def test_front_env_gives_each_cluster_its_own_ports_and_files(monkeypatch):
     from cluster import front
+    from storage.ports import ephemeral_range
     a, b = front.front_env("haproxy", "/tmp/slcA"), front.front_env("haproxy", "/tmp/slcB")
     assert a["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and a["RAY_SERVE_HAPROXY_SOCKET_PATH"].startswith("/tmp/slcA/")
     ports = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
     assert len({a[k] for k in ports} | {b[k] for k in ports}) == 6
+    # Outside the kernel's ephemeral range, where any outgoing connection could take one before HAProxy binds it.
+    assert not any(int(env[k]) in ephemeral_range() for env in (a, b) for k in ports)
     # A temp dir too long for HAProxy's socket paths (97 bytes with Ray's per-node directory) falls back.
     assert front.front_env("haproxy", "/tmp/" + "x" * 40)["RAY_SERVE_HAPROXY_SOCKET_PATH"].startswith("/tmp/haproxy-serve/")
     assert front.front_env("serve_proxy") == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
