@@ -73,7 +73,8 @@ class WorkerActor:
         # (LEASED: _channel_leased there). A colocated worker's engine thread reads those requests itself
         # (its inbox), so a request wakes that thread alone. Prefill and decode workers keep the channel's
         # own request thread: with the inbox, 5 of 6 1P+1D bench runs had the 64-token request slower
-        # (session 27, README), for a reason not found yet.
+        # (session 27), and so did 3 of 4 paired runs of session 28 (README), by 30-45 ms in ~0.5 s with the
+        # decode engine thread's CPU and run-queue wait unchanged, for a reason not found yet.
         self.channel = ChannelServer(channel_host(kv_events), on_request=self._channel_request,
                                      on_abort=self._channel_abort, on_handoff=self._channel_handoff,
                                      on_leased=self._channel_leased, on_reserve=self._channel_reserve,

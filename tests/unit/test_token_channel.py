@@ -360,6 +360,30 @@ def test_the_engine_thread_reads_the_requests_itself_and_closes_them_when_detach
     assert time.monotonic() - t < 1.0
 
 
+def test_a_request_that_comes_while_the_engine_steps_is_served_between_its_steps(core, serving):
+    """A request sent while the engine thread decodes another starts at the next step, not once the engine
+    is idle again: the short one is over while the long one still runs."""
+    async def main():
+        ctx = zmq.asyncio.Context()
+        c = await _requester(serving, ctx)
+        k1, q1 = c.open()
+        c.submit(k1, list(range(3, 30)), SamplingParams(max_new_tokens=600, ignore_eos=True))
+        long_items = request_items(q1, 30.0, 5.0)
+        await long_items.__anext__()   # the engine thread is stepping now
+        k2, q2 = c.open()
+        c.submit(k2, [3, 1, 4], SamplingParams(max_new_tokens=3, ignore_eos=True))
+        short = [t for i in await _items(q2) for t in i.token_ids]
+        running = await core.call(lambda e: e.has_unfinished())   # the long one
+        c.abort(k1)
+        while await core.call(lambda e: e.has_unfinished()):
+            await asyncio.sleep(0.01)
+        c.close()
+        ctx.term()
+        return short, running
+    short, running = asyncio.run(main())
+    assert len(short) == 3 and running is True
+
+
 async def _requester(server, ctx):
     c = ChannelClient(ctx, server.endpoint, uuid.uuid4().bytes, server.requests_endpoint)
     await c.ready(5)
