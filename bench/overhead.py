@@ -328,7 +328,7 @@ class Server:
     """``strata serve`` on a fresh local Ray cluster, and the load generator beside it."""
 
     def __init__(self, name: str, timeout: float = 300.0, calls_dir: str | None = None,
-                 switch_interval: float | None = None, http: str = "aiohttp") -> None:
+                 switch_interval: float | None = None, http: str = "aiohttp", timeline_dir: str | None = None) -> None:
         self.name = name
         self.home = tempfile.mkdtemp(prefix="sov")   # short: Ray's socket paths must fit 107 bytes
         cfg = yaml.safe_load((ROOT / "cluster" / "configs" / "default.yaml").read_text())
@@ -344,7 +344,9 @@ class Server:
             env["STRATA_OVERHEAD_CALLS"] = calls_dir
         if switch_interval:
             env["STRATA_OVERHEAD_SWITCH_INTERVAL"] = str(switch_interval)
-        if calls_dir or switch_interval:
+        if timeline_dir:
+            env["STRATA_OVERHEAD_TIMELINE"] = timeline_dir
+        if calls_dir or switch_interval or timeline_dir:
             env["PYTHONPATH"] = os.pathsep.join([str(HOOKS), str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         os.makedirs(env["RAY_TMPDIR"], exist_ok=True)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -660,6 +662,23 @@ def report(res: dict) -> str:
     return text
 
 
+def run_timeline(args) -> int:
+    from bench.overhead_timeline import engine_pauses, timeline
+    name = args.configs if args.configs in ("colocated", "colocated-l1") else "colocated"
+    n = 60 if args.quick else 200
+    tl = timeline(n, name)
+    pauses = engine_pauses(n)
+    print(table(tl["rows"], ["mark", "n", "at_p50_ms", "step_ms", "at_p90_ms"]))
+    print("\nthe engine alone, the same request after a pause:")
+    print(table(pauses, ["pause_ms", "ttft_p50_ms", "cpu_p50_ms"]))
+    path = ROOT / "bench" / "results" / "overhead.json"
+    prior = {k: v for k, v in json.loads(path.read_text()).items() if k != "machine"} if path.exists() else {}
+    prior[f"timeline_{name}"] = {"load_avg_after": os.getloadavg(), **tl, "engine_after_pause": pauses}
+    write_json("overhead", prior)
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (all rows in a few minutes)")
@@ -674,6 +693,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="py-spy and Ray call counts, colocated short requests")
     ap.add_argument("--profile-seconds", type=float, default=20.0)
     ap.add_argument("--hops", action="store_true", help="round trips hop by hop (colocated), from a Ray driver")
+    ap.add_argument("--timeline", action="store_true",
+                    help="one request's marks across the ingress and the worker (colocated), and the engine's "
+                         "TTFT after pauses (bench/overhead_timeline.py)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="--hops: set the server processes' GIL switch interval (s) through the bench's hook")
     ap.add_argument("--profile-rate", type=int, default=100)
@@ -700,6 +722,8 @@ def main(argv: list[str] | None = None) -> int:
         write_json("overhead", prior)
         print(f"wrote {path}")
         return 0
+    if args.timeline:
+        return run_timeline(args)
     if args.profile:
         from bench.overhead_profile import run_profile   # py-spy and Ray call counts (bench/overhead_profile.py)
         name = args.configs if args.configs in CONFIGS else "colocated"

@@ -2,7 +2,8 @@
 actor-method call each Python process makes (``ActorMethod._remote``, by method name) and every
 streamed item it receives (``ObjectRefGenerator._next_async``) and writes the
 counts to $STRATA_OVERHEAD_CALLS/<pid>.json once a second; with --hops --switch-interval it sets the GIL's
-switch interval. Production code never imports it."""
+switch interval; with --timeline ($STRATA_OVERHEAD_TIMELINE) it marks the points of a request's way
+(timeline_hooks.py). Production code never imports it."""
 import os
 
 _DIR = os.environ.get("STRATA_OVERHEAD_CALLS")
@@ -60,3 +61,6 @@ if _DIR:
 if os.environ.get("STRATA_OVERHEAD_SWITCH_INTERVAL"):
     import sys as _sys
     _sys.setswitchinterval(float(os.environ["STRATA_OVERHEAD_SWITCH_INTERVAL"]))
+if os.environ.get("STRATA_OVERHEAD_TIMELINE"):
+    import timeline_hooks as _timeline
+    _timeline.install()

@@ -132,3 +132,41 @@ def test_each_http_client_reads_a_stream_and_a_whole_answer(http):
 def test_an_unknown_http_client_is_refused():
     with pytest.raises(ValueError, match="http"):
         Client("http://127.0.0.1:1", http="requests")
+
+
+def test_timeline_rows_take_each_marks_first_time_in_its_request():
+    from bench.overhead_timeline import mark_rows
+    windows = [(10.0, 10.010), (20.0, 20.012)]
+    marks = [(9.999, "a"), (10.001, "a"), (10.004, "b"), (10.005, "a"), (20.002, "a"), (20.008, "b"), (30.0, "b")]
+    rows = {r["mark"]: r for r in mark_rows(marks, windows)}
+    assert [r["mark"] for r in mark_rows(marks, windows)] == ["a", "b", "client: answer read"]
+    assert rows["a"]["n"] == 2 and rows["a"]["at_p50_ms"] == pytest.approx(1.5)   # 1 and 2 ms: not 9.999, not 10.005
+    assert rows["b"]["at_p50_ms"] == pytest.approx(6.0) and rows["b"]["step_ms"] == pytest.approx(4.5)
+    assert rows["client: answer read"]["at_p50_ms"] == pytest.approx(11.0)
+
+
+def test_timeline_hooks_wrap_their_functions_and_write_marks(tmp_path):
+    """The hook, as the server's processes load it: every function it marks still exists (a rename fails
+    the import here, not the bench), and a marked call is written to <pid>.txt."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        "import time, functools\n"
+        "import actors.lifecycle, actors.http_body, actors.sglang_api, actors.token_channel as tc, engine.engine\n"
+        "from engine.async_engine import StreamItem\n"
+        "for f in (actors.lifecycle.NoRouteIsStarting.__call__, actors.http_body.BodyLimit.__call__,\n"
+        "          actors.sglang_api.SGLangAdapter.generate, tc.ChannelClient._send_request, tc.decode_items,\n"
+        "          tc.ChannelServer.send_step, tc.ChannelServer._handle, engine.engine.Engine.step):\n"
+        "    assert f.__module__ == 'timeline_hooks' or hasattr(f, '__wrapped__'), f\n"
+        "kind, payload = tc.encode_items([(3, StreamItem('r', [1, 2]))])\n"
+        "assert tc.decode_items(kind, payload)[0][0] == 3\n"
+        "time.sleep(1.2)\n")
+    env = {**os.environ, "STRATA_OVERHEAD_TIMELINE": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(root / "bench" / "overhead_hooks"), str(root)])}
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    written = [p.read_text() for p in tmp_path.glob("*.txt")]
+    assert len(written) == 1 and "ingress: items received " in written[0]
