@@ -7,6 +7,7 @@ the cores).
     python -m bench.overhead [--quick] [--configs engine,colocated,1p1d,2p1d] [--label now]
     python -m bench.overhead --profile [--configs 1p1d] [--profile-seconds 20]   # py-spy + Ray calls per request (bench/overhead_profile.py)
     python -m bench.overhead --hops [--quick] [--configs colocated-l1]   # each hop's round trip, from a Ray driver
+    python -m bench.overhead --timeline [--quick]   # one request's marks across its processes (overhead_timeline.py)
 
 Every HTTP row uses one out-of-process load generator (bench/overhead_client.py): /generate with
 ``input_ids``, greedy, ``ignore_eos``. Each server is ``python -m cluster.cli serve`` on a fresh local
@@ -662,23 +663,6 @@ def report(res: dict) -> str:
     return text
 
 
-def run_timeline(args) -> int:
-    from bench.overhead_timeline import engine_pauses, timeline
-    name = args.configs if args.configs in ("colocated", "colocated-l1") else "colocated"
-    n = 60 if args.quick else 200
-    tl = timeline(n, name)
-    pauses = engine_pauses(n)
-    print(table(tl["rows"], ["mark", "n", "at_p50_ms", "step_ms", "at_p90_ms"]))
-    print("\nthe engine alone, the same request after a pause:")
-    print(table(pauses, ["pause_ms", "ttft_p50_ms", "cpu_p50_ms"]))
-    path = ROOT / "bench" / "results" / "overhead.json"
-    prior = {k: v for k, v in json.loads(path.read_text()).items() if k != "machine"} if path.exists() else {}
-    prior[f"timeline_{name}"] = {"load_avg_after": os.getloadavg(), **tl, "engine_after_pause": pauses}
-    write_json("overhead", prior)
-    print(f"wrote {path}")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (all rows in a few minutes)")
@@ -723,7 +707,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {path}")
         return 0
     if args.timeline:
-        return run_timeline(args)
+        from bench.overhead_timeline import run_timeline   # one request's marks (bench/overhead_timeline.py)
+        name = args.configs if args.configs in ("colocated", "colocated-l1") else "colocated"
+        return run_timeline(name, 60 if args.quick else 200)
     if args.profile:
         from bench.overhead_profile import run_profile   # py-spy and Ray call counts (bench/overhead_profile.py)
         name = args.configs if args.configs in CONFIGS else "colocated"

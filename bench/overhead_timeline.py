@@ -13,15 +13,33 @@ messages."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import statistics
 import tempfile
 import time
 
-from bench.overhead import ENGINE, LONG, Server, prompts
+from bench.common import table, write_json
+from bench.overhead import ENGINE, LONG, ROOT, Server, prompts
 
 PAUSES_MS = (0.0, 2.0, 5.0, 20.0)
+
+
+def run_timeline(name: str, n: int) -> int:
+    """Both measures, ``n`` requests each: printed, and merged into bench/results/overhead.json as
+    ``timeline_<name>``."""
+    tl = timeline(n, name)
+    pauses = engine_pauses(n)
+    print(table(tl["rows"], ["mark", "n", "at_p50_ms", "step_ms", "at_p90_ms"]))
+    print("\nthe engine alone, the same request after a pause:")
+    print(table(pauses, ["pause_ms", "ttft_p50_ms", "cpu_p50_ms"]))
+    path = ROOT / "bench" / "results" / "overhead.json"
+    prior = {k: v for k, v in json.loads(path.read_text()).items() if k != "machine"} if path.exists() else {}
+    prior[f"timeline_{name}"] = {"load_avg_after": os.getloadavg(), **tl, "engine_after_pause": pauses}
+    write_json("overhead", prior)
+    print(f"wrote {path}")
+    return 0
 
 
 def timeline(n: int, name: str = "colocated") -> dict:

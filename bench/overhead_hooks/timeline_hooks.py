@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.machinery
+import inspect
 import os
 import sys
 import threading
@@ -41,7 +42,7 @@ def _writer() -> None:
 
 
 def _around(fn, before: str, after: str | None = None):
-    if getattr(fn, "__code__", None) is not None and fn.__code__.co_flags & 0x80:   # a coroutine function
+    if inspect.iscoroutinefunction(fn):
         @functools.wraps(fn)
         async def wrapped_async(*a, **kw):
             mark(before)
