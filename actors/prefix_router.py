@@ -6,6 +6,8 @@ Cache state and load travel apart. The index is fed only by the KV-event wire (s
 worker's stream, and the L3 store's under the holder ``L3``), as the shell's subscriber delivers it
 (``apply``); a stream whose history is lost (``Lost``: the publisher's replay buffer no longer holds it)
 forgets that holder and asks it for a snapshot (``take_resync``). Load and liveness come in Ray reports.
+Beside the index, the prompts just routed (actors/recent_routes.py) count as held by their worker until
+its events can have caught up (two reports), so a prompt repeated sooner goes there too.
 
 A worker is *live* while it reports within ``stale_after`` seconds; silent longer (dead, hung, its node
 gone), what it cached is dropped and it gets no traffic until it reports again (a restart says
@@ -18,6 +20,7 @@ from typing import NamedTuple
 
 from typing import Iterable
 
+from actors.recent_routes import RecentRoutes
 from actors.routing import L3_WORKER, NoWorkerError, PrefixIndex, RouterConfig, pick_decode, route
 from storage.geometry import KVGeometry
 from storage.kv_events.subscriber import Delivered, Lost, Update
@@ -61,6 +64,7 @@ class Router:
         self.cfg = cfg
         self.geom = geometry or KVGeometry()
         self.index = PrefixIndex()
+        self.recent = RecentRoutes(cfg.recent_reports)
         self.loads: dict[str, dict] = {}
         self.roles: dict[str, str] = {}
         self.seen: dict[str, float] = {}
@@ -83,6 +87,7 @@ class Router:
     def forget(self, holder: str) -> int:
         """Forget what ``holder`` held (a new incarnation of its stream follows); the pages dropped."""
         self._exact(holder)
+        self.recent.forget(holder)
         return self.index.drop_worker(holder)
 
     def _exact(self, holder: str) -> None:
@@ -99,6 +104,7 @@ class Router:
                 events = u.batch.events
                 if events and (isinstance(events[0], AllBlocksCleared) or isinstance(events[-1], AllBlocksCleared)):
                     self._exact(u.name)   # a snapshot (first) or a flush (last): exact again
+                    self.recent.forget(u.name)
                 tiers = L3_TIERS if u.name == L3_WORKER else WORKER_TIERS
                 self.applied += self.index.apply_wire(u.name, events, tiers)
             elif isinstance(u, Lost):
@@ -130,7 +136,9 @@ class Router:
             return False
         if fresh or worker in self.dropped:
             self.index.drop_worker(worker)
+            self.recent.forget(worker)
             self.dropped.discard(worker)
+        self.recent.reported(worker)
         self.loads[worker], self.roles[worker], self.seen[worker] = load, role, now
         return True
 
@@ -138,6 +146,7 @@ class Router:
         for w in [w for w in self.roles if now - self.seen[w] >= self.stale_after and w not in self.dropped]:
             # Silent for too long (dead or hung): what it cached cannot be trusted any more.
             self.index.drop_worker(w)
+            self.recent.forget(w)
             self.dropped.add(w)
 
     def live(self, roles: tuple[str, ...], now: float) -> dict[str, dict]:
@@ -157,7 +166,9 @@ class Router:
         if waiting:
             raise NoWorkerError(f"the router is rebuilding its index of {', '.join(waiting)} from a snapshot")
         prefill = _avoiding(self.live(("prefill", "colocated"), now), avoid)
-        worker, ov = route(self.index, keys, prompt_len, prefill, self.cfg, self.geom, turn=self.decisions)
+        worker, ov = route(self.index, keys, prompt_len, prefill, self.cfg, self.geom, turn=self.decisions,
+                           recent=self.recent.pages(keys, prefill))
+        self.recent.add(worker, keys)
         decode, alone = None, len(prefill) == 1
         if self.roles[worker] == "prefill":
             decodes = _avoiding(self.live(("decode",), now), avoid)
@@ -183,6 +194,7 @@ class Router:
         self.seen.pop(worker, None)
         self.dropped.discard(worker)
         self._exact(worker)
+        self.recent.forget(worker)
         return self.index.drop_worker(worker)
 
     def restore_worker(self, worker: str) -> None:

@@ -42,6 +42,10 @@ class RouterConfig:
     load_weight: float = 0.25
     running_weight: float = 16.0     # per running request of the worker
     policy: str = "prefix"           # prefix | round_robin
+    # A routed prompt counts as held by its worker (in L1) until this many of the worker's reports came
+    # since (actors/recent_routes.py): its KV events come with them, so a repeat sooner would otherwise go
+    # elsewhere. 0: the index alone.
+    recent_reports: int = 2
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTE_POLICIES:
@@ -50,6 +54,8 @@ class RouterConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v < 0:
                 raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+        if isinstance(self.recent_reports, bool) or not isinstance(self.recent_reports, int) or self.recent_reports < 0:
+            raise ValueError(f"recent_reports must be an integer >= 0, got {self.recent_reports!r}")
 
 
 @dataclass
@@ -265,9 +271,12 @@ def prompt_blocks(tokens: Sequence[int], geom: KVGeometry, cfg: RouterConfig) ->
 
 
 def route(index: PrefixIndex, keys: Sequence[int], prompt_len: int, loads: Mapping[str, dict],
-          cfg: RouterConfig, geom: KVGeometry, turn: int = 0) -> tuple[str, Overlap]:
+          cfg: RouterConfig, geom: KVGeometry, turn: int = 0,
+          recent: Mapping[str, int] | None = None) -> tuple[str, Overlap]:
     """The prefill worker with the lowest cost for this prompt (ties: the first in ``loads`` order).
-    ``round_robin``: the ``turn``-th worker of ``loads`` (the caller counts its decisions)."""
+    ``recent``: per worker, the leading pages of ``keys`` just routed to it (RecentRoutes), counted as L1
+    where the index holds fewer. ``round_robin``: the ``turn``-th worker of ``loads`` (the caller counts
+    its decisions)."""
     if not loads:
         raise NoWorkerError("no prefill worker is available")
     if cfg.policy == "round_robin":
@@ -282,6 +291,8 @@ def route(index: PrefixIndex, keys: Sequence[int], prompt_len: int, loads: Mappi
     ps = geom.page_size
     best = None
     for (worker, load), (pages, l1, l2, l3) in zip(loads.items(), rows):
+        if recent and recent.get(worker, 0) > pages:
+            pages, l1 = recent[worker], l1 + recent[worker] - pages
         cost = (cfg.miss_weight * (prompt_len - pages * ps)
                 + ps * (cfg.l1_weight * l1 + cfg.l2_weight * l2 + cfg.l3_weight * l3)
                 + cfg.load_weight * load.get("queued_tokens", 0) + cfg.running_weight * load.get("running", 0))

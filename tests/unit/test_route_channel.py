@@ -34,7 +34,8 @@ HOST = "127.0.0.1"
 
 
 def _router(roles: dict[str, str]) -> Router:
-    r = Router(RouterConfig(), KVGeometry(16))
+    # The index alone (no recent routes): each answer here follows from the events the test applied.
+    r = Router(RouterConfig(recent_reports=0), KVGeometry(16))
     for w, role in roles.items():
         r.report(w, role, {"free_pages": 100}, True, now=time.monotonic())
     return r
