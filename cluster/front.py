@@ -36,6 +36,12 @@ def front_env(front: str = "haproxy", tmpdir: str | None = None) -> dict[str, st
         # load balancer, would add as much to every stop; strata's own drain (server.drain_timeout) waits
         # for the requests in flight before that.
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+        # No metric line per request from HAProxy to Serve's proxy actor (Serve's serve_num_http_requests and
+        # serve_http_request_latency_ms from HAProxy): each one is a datagram that wakes that actor's Python,
+        # which parses it, ~0.2 ms of CPU per request on the cores the request itself needs (bench/overhead.py).
+        # strata's /metrics counts requests, errors and their token latencies; Serve's replica keeps its own
+        # request metrics. Set RAY_SERVE_HAPROXY_METRICS_ENABLED=1 where Ray starts to have them back.
+        "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0",
         "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": f"{base}/haproxy.cfg",
         "RAY_SERVE_HAPROXY_SOCKET_PATH": f"{base}/admin.sock",
         "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": base,

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from cluster.config import ClusterConfig, from_text
+from cluster.front import front_env
 from cluster.launch import RAY_ENV
 from tests.deploy.k8s_validation import (CRD_DIR, CRD_FILES, ROOT, crd_errors, crd_validator, errors,
                                          operator_errors)
@@ -179,6 +180,7 @@ def test_configmap_cluster_yaml_loads_and_matches_the_pods(overlay):
         assert env.get("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD") == RAY_ENV["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"], name
         if haproxy:
             assert env["RAY_SERVE_CONTROLLER_CALLBACK_IMPORT_PATH"] == "actors.lifecycle:haproxy_no_route_is_starting"
+            assert env["RAY_SERVE_HAPROXY_METRICS_ENABLED"] == front_env("haproxy")["RAY_SERVE_HAPROXY_METRICS_ENABLED"]
         m = mounts(group)
         assert m[CONFIG_MOUNT]["configMap"]["name"] == "strata-config" and m[CONFIG_MOUNT]["readOnly"], name
         assert m["/dev/shm"]["emptyDir"]["medium"] == "Memory", name

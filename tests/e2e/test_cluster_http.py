@@ -163,6 +163,25 @@ def test_no_access_line_per_request_unless_asked(cluster):
     assert not access.search(text), access.search(text).group(0)
 
 
+def test_haproxy_sends_no_metric_line_per_request(cluster):
+    """HAProxy's per-request metric line to Serve's proxy actor is off (cluster/front.py front_env): the
+    config HAProxy runs has no log target for it, and requests are still served and counted in /metrics."""
+    import glob
+    import os
+    url = cluster["url"]
+    assert httpx.post(f"{url}/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}},
+                      timeout=60).status_code == 200
+    d, f = os.path.split(os.environ["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"])
+    files = [os.path.join(d, n["NodeID"], f) for n in ray.nodes() if n["Alive"]]   # this cluster's nodes'
+    files = [p for p in files if os.path.isfile(p)]
+    assert files, (sorted(glob.glob(os.path.join(d, "*"))), ray.nodes())
+    for path in files:
+        text = open(path).read()
+        assert "frontend http_frontend" in text and "log-format-sd" not in text, path
+        assert os.path.basename(os.environ["RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH"]) not in text, path
+    assert "strata_requests_total" in httpx.get(f"{url}/metrics").text
+
+
 def test_a_client_that_leaves_mid_stream_frees_the_decode_worker_at_once(cluster):
     """The stream's tokens come over the token channel; the client leaving cancels the request's one Ray
     call, which aborts it on the decode worker: nothing keeps decoding for nobody."""

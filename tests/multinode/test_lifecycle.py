@@ -86,6 +86,7 @@ def test_front_env_gives_each_cluster_its_own_ports_and_files(monkeypatch):
     from storage.ports import ephemeral_range
     a, b = front.front_env("haproxy", "/tmp/slcA"), front.front_env("haproxy", "/tmp/slcB")
     assert a["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and a["RAY_SERVE_HAPROXY_SOCKET_PATH"].startswith("/tmp/slcA/")
+    assert a["RAY_SERVE_HAPROXY_METRICS_ENABLED"] == "0"     # no metric line per request to Serve's proxy actor
     ports = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
     assert len({a[k] for k in ports} | {b[k] for k in ports}) == 6
     # Outside the kernel's ephemeral range, where any outgoing connection could take one before HAProxy binds it.
