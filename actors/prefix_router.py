@@ -166,9 +166,11 @@ class Router:
         if waiting:
             raise NoWorkerError(f"the router is rebuilding its index of {', '.join(waiting)} from a snapshot")
         prefill = _avoiding(self.live(("prefill", "colocated"), now), avoid)
+        by_prefix = self.cfg.policy == "prefix"    # round_robin reads neither the cache nor recent routes
         worker, ov = route(self.index, keys, prompt_len, prefill, self.cfg, self.geom, turn=self.decisions,
-                           recent=self.recent.pages(keys, prefill))
-        self.recent.add(worker, keys)
+                           recent=self.recent.pages(keys, prefill) if by_prefix else None)
+        if by_prefix:
+            self.recent.add(worker, keys)
         decode, alone = None, len(prefill) == 1
         if self.roles[worker] == "prefill":
             decodes = _avoiding(self.live(("decode",), now), avoid)

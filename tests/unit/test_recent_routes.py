@@ -65,6 +65,14 @@ def test_off_it_is_the_index_alone_and_the_events_still_count():
             RouterConfig(recent_reports=bad)
 
 
+def test_round_robin_keeps_no_recent_routes():
+    keys = blocks([1, 2, 3, 4])
+    r = two_prefill(RouterConfig(policy="round_robin"))
+    assert [r.route(keys, 64, now=1.0 + i / 100).prefill for i in range(3)] == ["p0", "p1", "p0"]
+    assert r.recent.pages(keys, ["p0", "p1"]) == {}
+    r.recent.check_integrity()
+
+
 def test_a_worker_removed_silent_or_restarted_loses_what_it_was_sent():
     keys = blocks([5, 6, 7, 8])
     r = two_prefill(RouterConfig())
