@@ -154,7 +154,7 @@ def test_timeline_hooks_wrap_their_functions_and_write_marks(tmp_path):
     from pathlib import Path
     root = Path(__file__).resolve().parents[2]
     code = (
-        "import time, functools\n"
+        "import time\n"
         "import actors.lifecycle, actors.http_body, actors.sglang_api, actors.token_channel as tc, engine.engine\n"
         "from engine.async_engine import StreamItem\n"
         "for f in (actors.lifecycle.NoRouteIsStarting.__call__, actors.http_body.BodyLimit.__call__,\n"
