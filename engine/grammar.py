@@ -2,8 +2,10 @@
 llguidance matcher that gives the allowed next tokens each step and consumes the sampled one.
 
 llguidance rather than xgrammar: it installs as one abi3 wheel with no dependencies and runs on CPU,
-while xgrammar pulls transformers and a TVM runtime into the serving process. The matcher's bitmask is
-unpacked here in torch (llguidance's own helper compiles a kernel with torch.compile on first use).
+while xgrammar pulls transformers and a TVM runtime into the serving process. The matcher writes its
+bitmask into a buffer of ours, unpacked here in torch. Not through ``llguidance.torch``: importing it
+imports torch.compile's machinery (torch._dynamo, inductor: ~1.8 s of every process that imports the
+engine, the ingress and each worker included, at each start and restart) for one pointer call.
 
 llguidance is imported when present: an engine without it (a GPU image that lacks the wheel) serves
 everything but structured output, whose requests are refused with a ValueError naming the package."""
@@ -16,7 +18,6 @@ import torch
 
 try:
     import llguidance
-    import llguidance.torch
     _IMPORT_ERROR: ImportError | None = None
 except ImportError as e:
     llguidance = None
@@ -92,12 +93,12 @@ class Matcher:
 
     def __init__(self, tok: GrammarTokenizer, m) -> None:
         self.tok, self.m = tok, m
-        self._buf = torch.empty(1, tok.words, dtype=torch.int32)
+        self._buf = torch.empty(tok.words, dtype=torch.int32)   # contiguous, on the CPU: the matcher writes it
 
     def allowed(self) -> torch.Tensor:
         """The tokens allowed next: [vocab] bool."""
-        llguidance.torch.fill_next_token_bitmask(self.m, self._buf, 0)
-        bits = (self._buf[0][:, None] >> self.tok._bits) & 1
+        self.m.unsafe_compute_mask_ptr(self._buf.data_ptr(), self._buf.numel() * self._buf.element_size())
+        bits = (self._buf[:, None] >> self.tok._bits) & 1
         return bits.reshape(-1)[:self.tok.vocab_size].bool()
 
     def consume(self, token: int) -> None:

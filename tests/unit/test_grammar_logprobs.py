@@ -148,3 +148,15 @@ def test_without_llguidance_structured_output_is_refused_by_name_and_the_rest_se
         compile_grammar.__wrapped__("regex", "[cd]+")
     assert fresh.pools.all_free()
     assert len(fresh.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))[0].token_ids) == 3
+
+
+def test_the_serving_processes_do_not_import_torch_compile():
+    """The worker and the ingress import the engine, grammar included, at every start and restart; torch's
+    compiler (torch._dynamo, inductor: ~1.8 s of each process's start here) must not come with it."""
+    import subprocess
+    import sys
+    code = ("import sys, actors.worker, actors.ingress, engine.grammar; print(sorted(m for m in sys.modules "
+            "if m.split('.')[:2] in (['torch', '_dynamo'], ['torch', '_inductor'])))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout[-2000:]
