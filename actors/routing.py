@@ -302,7 +302,8 @@ def route(index: PrefixIndex, keys: Sequence[int], prompt_len: int, loads: Mappi
 
 
 def pick_decode(loads: Mapping[str, dict]) -> str:
-    """The decode worker with the most free pages per running request."""
+    """The decode worker with the most free pages per running request (of equals, the first in ``loads``:
+    ``max`` keeps the first of its maxima)."""
     if not loads:
         raise NoWorkerError("no decode worker is available")
-    return max(loads, key=lambda w: (loads[w].get("free_pages", 0) / (1 + loads[w].get("running", 0)), -list(loads).index(w)))
+    return max(loads, key=lambda w: loads[w].get("free_pages", 0) / (1 + loads[w].get("running", 0)))

@@ -63,6 +63,10 @@ def test_route_prefers_the_worker_holding_the_prefix_until_load_outweighs_it():
 
 def test_pick_decode_and_errors():
     assert pick_decode({"d0": {"free_pages": 10, "running": 4}, "d1": {"free_pages": 10, "running": 0}}) == "d1"
+    # Of equals, the first listed: a stable choice between idle decode workers.
+    same = {"free_pages": 10, "running": 1}
+    assert pick_decode({"d1": dict(same), "d0": dict(same), "d2": {"free_pages": 9, "running": 1}}) == "d1"
+    assert pick_decode({"d0": dict(same), "d1": dict(same)}) == "d0"
     # No live worker is its own error: the ingress waits it out after a router restart.
     with pytest.raises(NoWorkerError, match="no decode worker"):
         pick_decode({})
