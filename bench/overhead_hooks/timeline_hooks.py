@@ -96,7 +96,7 @@ def _sglang(m) -> None:
 def _token_channel(m) -> None:
     m.ChannelClient._send_request = _around(m.ChannelClient._send_request, "ingress: request sent to the worker")
     m.decode_items = _around(m.decode_items, "ingress: items received")
-    m.ChannelServer.send_step = _around(m.ChannelServer.send_step, "worker: items sent")
+    m.ChannelServer.send_step = _around(m.ChannelServer.send_step, "worker: items sent", "worker: their send returned")
     m.ChannelServer._handle = _around(m.ChannelServer._handle, "worker: request read")
 
 
