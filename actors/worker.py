@@ -25,6 +25,7 @@ import zmq
 import zmq.asyncio
 from ray.actor import ActorHandle
 
+from actors.cpu_binding import bind_worker
 from actors.ep_host import EPHost
 from actors.handoff import PeerFailed, Reservation, prefill_reserving
 from actors.route_channel import ChannelDown, ReportClient
@@ -49,12 +50,14 @@ class WorkerActor:
                  report_interval: float = 0.05, transfer_cfg: TransferConfig | None = None, storage=None,
                  l3_refresh_s: float = 2.0, ep_size: int = 1, ep_num_cpus: float = 0.25,
                  ep_num_gpus: float = 0.0, kv_events: KVEventsConfig | None = None,
-                 served_name: str | None = None) -> None:
+                 served_name: str | None = None, cpu_binding: str = "auto") -> None:
         if role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"role must be prefill, decode or colocated, got {role!r}")
         if ep_size > 1 and role != "colocated":
             raise ValueError(f"ep_size {ep_size}: only colocated workers serve through an EP group")
         self.worker_id, self.role = worker_id, role
+        # Before any thread of ours starts, so they all inherit it (actors/cpu_binding.py).
+        self.cores = bind_worker(cpu_binding, engine_cfg.torch_device.type, engine_cfg.torch_threads, ep_size)
         # The router and the storage actor by name (cluster/workers.py passes names): a handle among the
         # constructor arguments, to an actor still being created, is an object Ray keeps for restarts and
         # logs an error about; a name is plain config, and a restarted worker finds them again.
@@ -151,7 +154,8 @@ class WorkerActor:
         ep = self.kv_events.endpoint if self.kv_events is not None else None
         return {"worker_id": self.worker_id, "role": self.role, "vocab_size": mc.vocab_size,
                 "max_context": mc.max_position_embeddings, "model_path": str(self.core.engine.model_path),
-                "kv_events": ep._asdict() if ep is not None else None}
+                "kv_events": ep._asdict() if ep is not None else None,
+                "cores": self.cores.cores if self.cores is not None else None}
 
     def _kv_events(self, cfg: KVEventsConfig | None, served_name: str | None) -> TreeEventStream | None:
         """This worker's publisher on the KV-event wire (None when disabled, or when no port is free: the

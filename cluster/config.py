@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from actors.cpu_binding import MODES as CPU_BINDING_MODES
 from actors.routing import RouterConfig
 from actors.storage import StorageConfig
 from cluster.placement import ROLES as PLACED_ROLES, PlacementConfig, RolePlacement
@@ -36,8 +37,13 @@ class WorkersConfig:
     # > 1: each (colocated) worker serves through an expert-parallel group of ep_size rank processes on
     # its node (actors/ep_host.py), each asking num_cpus / num_gpus; engine.eplb.num_ranks must match.
     ep_size: int = 1
+    # auto: a worker whose engine runs on the CPU with torch_threads set keeps its process on that many
+    # cores of its own (actors/cpu_binding.py); off: the OS places it.
+    cpu_binding: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cpu_binding not in CPU_BINDING_MODES:
+            raise ValueError(f"workers.cpu_binding must be one of {CPU_BINDING_MODES}, got {self.cpu_binding!r}")
         if isinstance(self.ep_size, bool) or not isinstance(self.ep_size, int) or self.ep_size < 1:
             raise ValueError(f"workers.ep_size must be an int >= 1, got {self.ep_size!r}")
         if not isinstance(self.role_resources, bool):

@@ -54,7 +54,7 @@ def spawn(cfg, wid: str, role: str, engine_cfg, router, storage, workers_on: dic
     ).remote(wid, role, engine_cfg, ROUTER_ACTOR if router is not None else None,
              transfer_cfg=cfg.transfer, storage=STORAGE_ACTOR if storage is not None else None, ep_size=w.ep_size,
              ep_num_cpus=w.num_cpus, ep_num_gpus=w.num_gpus, kv_events=cfg.kv_events,
-             served_name=cfg.server.model_name)
+             served_name=cfg.server.model_name, cpu_binding=w.cpu_binding)
 
 
 def placed_on(workers: dict, timeout: float = 60.0) -> dict[str, str]:

@@ -103,3 +103,20 @@ def test_a_worker_killed_mid_stream_fails_it_and_the_next_request_uses_its_new_c
     items = asyncio.run(_collect(b.generate("w0", [4, 5, 6], SamplingParams(max_new_tokens=4, ignore_eos=True))))
     assert sum(len(i.token_ids) for i in items) == 4 and items[-1].finished
 
+
+
+def test_the_worker_keeps_its_process_on_a_core_of_its_own_and_so_does_its_restart(backend):
+    """A CPU engine with torch_threads=1 on a machine of 2+ cores: the worker's process, every thread of it,
+    on one core that it claimed (actors/cpu_binding.py). Runs after the kill above: the restarted process
+    claimed again (the dead one's claim ended with it)."""
+    import os
+    w = backend[0].workers["w0"]
+    usable = os.sched_getaffinity(0)
+    if len(usable) < 2:
+        pytest.skip("one usable core: nothing to bind to")
+    cores = ray.get(w.start.remote(), timeout=60)["cores"]
+    pid = ray.get(w.process_info.remote(), timeout=30)["pid"]
+    assert len(cores) == 1 and set(cores) <= usable
+    tids = os.listdir(f"/proc/{pid}/task")
+    assert len(tids) > 5   # Ray's threads, the engine's, the channel's: all started after or before binding
+    assert {tuple(sorted(os.sched_getaffinity(int(t)))) for t in tids} == {tuple(cores)}
