@@ -1,19 +1,24 @@
 """CPU binding: a worker whose engine runs on the CPU keeps its process on cores of its own, as vLLM's and
 SGLang's CPU backends bind each rank's threads to a core set.
 
-Why: on a machine where the engine shares its cores with everything else (the HTTP front, the ingress, the
-router, Ray's daemons, the load itself), the scheduler moves the engine thread to whichever core woke it,
-and the step starts with that core's caches holding someone else's data. Bound, 64 short requests at 16
-in flight went from 139-183 to 199-253 req/s colocated, and from 106-129 to 158-188 req/s with 1P+1D, on 2
-cores (README "Serving overhead", session 33); a cached prompt's TTFT and a 64-token request stayed within
-the noise.
+Why: with two engines on one machine the scheduler, placing each thread beside whichever thread woke it,
+often stacks both engine threads on one core while another idles. Bound, 1P+1D on 2 cores did better in
+paired rounds (the binding switched on and off every few seconds on one server, 30 pairs): cached TTFT
+p50 -0.5 ms (19 of 30), the workers' CPU per request -0.17 ms (21 of 30), 64 short requests at 16 in flight
++8 req/s (18 of 30). A worker alone on its machine gained nothing (colocated: TTFT better bound in 10 of 30,
+short requests in 14 of 30), so it stays unbound (README "Serving overhead", session 33).
 
-Which cores: a worker claims ``torch_threads`` cores of those this process may use, highest first (core 0
-is where the kernel and everything unbound lands first), the least claimed first. A claim is an exclusive
-``flock`` on one slot file per (core, slot) in a directory per user on this machine, so it needs no
-coordinator, counts the workers of every strata cluster on the machine (several Ray nodes on one machine
-share its cores), and ends with the process: a restarted worker claims again, and a dead one's cores are
-free at once.
+Which cores: every worker that may bind holds a *seat* on its machine, an exclusive ``flock`` on the file
+``seat<k>`` (the lowest k free) in a directory per user. Seats count the workers of every strata cluster on
+the machine (several Ray nodes on one machine share its cores) with no coordinator, and a seat ends with its
+process. While two or more seated workers fit the cores a process may use (``torch_threads`` each), seat k
+binds to the k-th group of cores counted from the highest (core 0 is where the kernel and everything
+unbound land first). When they outnumber the cores, every one of them is unbound and the OS places them: two
+workers bound to one core, and a third beside two bound ones, each measured worse than three workers placed
+by the OS on two cores (2P+1D: TTFT and the 64-token request worse in 3 of 3 alternating pairs either way).
+Each worker looks again every second on a thread of its own (``CoreBinding.refresh``): a worker started or
+ended elsewhere changes the count, and a seat freed below one's own is taken, so seats stay 0..n-1 and
+cores distinct.
 """
 from __future__ import annotations
 
@@ -21,13 +26,15 @@ import fcntl
 import logging
 import os
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 log = logging.getLogger("strata.cpu_binding")
 
 MODES = ("auto", "off")
-CLAIMS_DIR = Path(tempfile.gettempdir()) / f"strata-cores-{os.getuid()}"
+SEATS_DIR = Path(tempfile.gettempdir()) / f"strata-cores-{os.getuid()}"
+REFRESH_S = 1.0
 
 
 def cores_to_bind(mode: str, device: str, torch_threads: int, ep_size: int, usable: int) -> int:
@@ -43,43 +50,77 @@ def cores_to_bind(mode: str, device: str, torch_threads: int, ep_size: int, usab
     return torch_threads
 
 
-class CoreClaim:
-    """``n`` cores of ``usable`` claimed for this process until ``release`` (or its exit)."""
+def seat_cores(seat: int, seated: int, per_worker: int, usable: Sequence[int]) -> list[int] | None:
+    """The cores of the worker in ``seat`` while ``seated`` workers hold seats, each binding ``per_worker``
+    of ``usable``; None: unbound (alone, more workers than cores, or a seat past them until it moves down)."""
+    order = sorted(set(usable), reverse=True)
+    if seated < 2 or seated * per_worker > len(order) or (seat + 1) * per_worker > len(order):
+        return None
+    return order[seat * per_worker:(seat + 1) * per_worker]
 
-    def __init__(self, n: int, usable: Sequence[int], claims_dir: Path = CLAIMS_DIR) -> None:
-        if n < 1 or n > len(set(usable)):
-            raise ValueError(f"cannot claim {n} of the cores {sorted(set(usable))}")
-        claims_dir.mkdir(mode=0o700, exist_ok=True)
-        order = sorted(set(usable), reverse=True)
-        self.cores: list[int] = []
-        self._fds: list[int] = []
-        slot = 0
-        try:
-            while len(self.cores) < n:   # slot k of every core before slot k+1 of any: the least claimed first
-                for core in order:
-                    if core not in self.cores and self._try(claims_dir / f"core{core}.slot{slot}"):
-                        self.cores.append(core)
-                        if len(self.cores) == n:
-                            break
-                slot += 1
-        except BaseException:
-            self.release()
-            raise
 
-    def _try(self, path: Path) -> bool:
-        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+class Seats:
+    """This process's seat among the files ``seat<k>`` of ``directory``, and the count of those held."""
+
+    def __init__(self, directory: Path = SEATS_DIR) -> None:
+        directory.mkdir(mode=0o700, exist_ok=True)
+        self.dir = directory
+        self.seat: int | None = None
+        self._fd: int | None = None
+        self.take()
+
+    def _lock(self, k: int) -> int | None:
+        fd = os.open(self.dir / f"seat{k}", os.O_CREAT | os.O_RDWR, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            return False
-        self._fds.append(fd)
-        return True
+            return None
+        return fd
+
+    def take(self) -> None:
+        """The lowest free seat, if below the one held (or none is held yet)."""
+        k = 0
+        while self.seat is None or k < self.seat:
+            fd = self._lock(k)
+            if fd is not None:
+                if self._fd is not None:
+                    os.close(self._fd)   # its only descriptor: closing it drops the flock
+                self.seat, self._fd = k, fd
+                return
+            k += 1
+
+    def seated(self) -> int:
+        """Seats held on this machine now, this one's included."""
+        return held_seats(self.dir, self.seat)
 
     def release(self) -> None:
-        for fd in self._fds:
-            os.close(fd)   # closing the only descriptor of the open file drops its flock
-        self._fds, self.cores = [], []
+        if self._fd is not None:
+            os.close(self._fd)
+        self.seat, self._fd = None, None
+
+
+def held_seats(directory: Path = SEATS_DIR, own: int | None = None) -> int:
+    """How many seats of ``directory`` are held now (``own``: this process's, counted without a probe)."""
+    n = 0
+    for name in os.listdir(directory) if directory.is_dir() else ():
+        if not (name.startswith("seat") and name[4:].isdigit()):
+            continue
+        k = int(name[4:])
+        if k == own:
+            n += 1
+            continue
+        try:
+            fd = os.open(directory / name, os.O_RDWR)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            n += 1
+        finally:
+            os.close(fd)
+    return n
 
 
 def bind_process(cores: Sequence[int]) -> None:
@@ -91,23 +132,57 @@ def bind_process(cores: Sequence[int]) -> None:
             pass
 
 
-def bind_worker(mode: str, device: str, torch_threads: int, ep_size: int) -> CoreClaim | None:
-    """Claim and bind per ``cores_to_bind``; None when it binds nothing. A claim that fails (no writable
-    temporary directory, no affinity call on this platform) leaves the process unbound, with a warning:
-    binding is an optimisation, not a condition of serving."""
+class CoreBinding:
+    """A worker's seat, and its process on the cores that seat gets now (``cores``; None: unbound)."""
+
+    def __init__(self, per_worker: int, usable: Sequence[int], directory: Path = SEATS_DIR) -> None:
+        self.per_worker, self.usable = per_worker, sorted(usable)
+        self.seats = Seats(directory)
+        self.cores: list[int] | None = None
+        self._stop = threading.Event()
+        try:
+            self.refresh()
+        except BaseException:
+            self.seats.release()
+            raise
+
+    def refresh(self) -> list[int] | None:
+        self.seats.take()
+        cores = seat_cores(self.seats.seat, self.seats.seated(), self.per_worker, self.usable)
+        bind_process(cores if cores is not None else self.usable)   # each time: threads started meanwhile
+        if cores != self.cores:
+            log.info("seat %d: %s", self.seats.seat, f"bound to cores {cores}" if cores else "unbound")
+        self.cores = cores
+        return cores
+
+    def start(self) -> CoreBinding:
+        threading.Thread(target=self._run, name="strata-cores", daemon=True).start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(REFRESH_S):
+            try:
+                self.refresh()
+            except OSError as e:   # keep what it has; look again next time
+                log.warning("refreshing the core binding failed: %s", e)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.seats.release()
+
+
+def bind_worker(mode: str, device: str, torch_threads: int, ep_size: int) -> CoreBinding | None:
+    """Seat and bind per ``cores_to_bind``, refreshed every REFRESH_S; None when it binds nothing. A seat that
+    cannot be had (no writable temporary directory, no affinity call on this platform) leaves the process
+    unbound, with a warning: binding is an optimisation, not a condition of serving."""
     if not hasattr(os, "sched_getaffinity"):
         return None
     usable = sorted(os.sched_getaffinity(0))
     n = cores_to_bind(mode, device, torch_threads, ep_size, len(usable))
     if n == 0:
         return None
-    claim = None
     try:
-        claim = CoreClaim(n, usable)
-        bind_process(claim.cores)
+        return CoreBinding(n, usable).start()
     except OSError as e:
         log.warning("not binding this worker to cores: %s", e)
-        if claim is not None:
-            claim.release()
         return None
-    return claim

@@ -157,6 +157,7 @@ CONFIGS = {   # overrides of cluster/configs/default.yaml (the engine settings s
     # Not in the default run either: workers the OS places (actors/cpu_binding.py), for an A/B of binding.
     "colocated-unbound": {"workers": {"colocated": 1, "prefill": 0, "decode": 0, "cpu_binding": "off"}},
     "1p1d-unbound": {"workers": {"cpu_binding": "off"}},
+    "2p1d-unbound": {"workers": {"prefill": 2, "decode": 1, "cpu_binding": "off"}, "router": {"policy": "prefix"}},
 }
 # The server's engine settings (cluster/configs/default.yaml) without its host/L3 tiers.
 ENGINE = dict(page_size=16, num_pages=2048, max_batch_tokens=512, max_running_requests=64, torch_threads=1,

@@ -105,18 +105,43 @@ def test_a_worker_killed_mid_stream_fails_it_and_the_next_request_uses_its_new_c
 
 
 
-def test_the_worker_keeps_its_process_on_a_core_of_its_own_and_so_does_its_restart(backend):
-    """A CPU engine with torch_threads=1 on a machine of 2+ cores: the worker's process, every thread of it,
-    on one core that it claimed (actors/cpu_binding.py). Runs after the kill above: the restarted process
-    claimed again (the dead one's claim ended with it)."""
+def _cores_of(w) -> tuple[list[int] | None, set[tuple[int, ...]]]:
+    """What the worker says its cores are, and the affinities its process's threads have."""
     import os
-    w = backend[0].workers["w0"]
-    usable = os.sched_getaffinity(0)
-    if len(usable) < 2:
-        pytest.skip("one usable core: nothing to bind to")
     cores = ray.get(w.start.remote(), timeout=60)["cores"]
     pid = ray.get(w.process_info.remote(), timeout=30)["pid"]
-    assert len(cores) == 1 and set(cores) <= usable
     tids = os.listdir(f"/proc/{pid}/task")
-    assert len(tids) > 5   # Ray's threads, the engine's, the channel's: all started after or before binding
-    assert {tuple(sorted(os.sched_getaffinity(int(t)))) for t in tids} == {tuple(cores)}
+    assert len(tids) > 5   # Ray's threads, the engine's, the channel's: started before binding and after
+    return cores, {tuple(sorted(os.sched_getaffinity(int(t)))) for t in tids}
+
+
+def test_two_workers_on_a_machine_bind_to_cores_of_their_own_and_one_alone_is_unbound(backend):
+    """CPU engines with torch_threads=1 (actors/cpu_binding.py): the worker alone (restarted by the kill
+    above: its seat is its new process's) is unbound; a second one on this machine, and each takes a core of
+    its own within the refresh, every thread of its process on it; the second gone, the first is unbound
+    again."""
+    import os
+    from actors.cpu_binding import REFRESH_S, held_seats
+    from actors.worker import WorkerActor
+    usable = tuple(sorted(os.sched_getaffinity(0)))
+    if len(usable) < 2:
+        pytest.skip("one usable core: nothing to bind to")
+    w0, path = backend[0].workers["w0"], backend[1]
+    assert held_seats() == 1, "another worker holds a seat on this machine (a cluster beside the tests?)"
+    assert _cores_of(w0) == (None, {usable})
+    cfg = EngineConfig(model=path, page_size=16, num_pages=64, torch_threads=1)
+    w1 = WorkerActor.options(num_cpus=0.5).remote("w1", "colocated", cfg, None)
+    try:
+        c1, affs1 = _cores_of(w1)
+        assert c1 is not None and len(c1) == 1 and affs1 == {tuple(c1)}
+        deadline = time.monotonic() + 10 * REFRESH_S
+        while (c0 := _cores_of(w0))[0] is None:
+            assert time.monotonic() < deadline, "the first worker did not bind once a second one came"
+            time.sleep(REFRESH_S / 4)
+        assert len(c0[0]) == 1 and c0[0] != c1 and c0[1] == {tuple(c0[0])}
+    finally:
+        ray.kill(w1, no_restart=True)
+    deadline = time.monotonic() + 20 * REFRESH_S
+    while _cores_of(w0) != (None, {usable}):
+        assert time.monotonic() < deadline, "the first worker stayed bound once alone again"
+        time.sleep(REFRESH_S / 4)

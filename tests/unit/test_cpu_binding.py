@@ -1,5 +1,6 @@
-"""actors/cpu_binding.py: which workers bind, the claims (highest core first, the least claimed first,
-ended by their process's exit) and the binding of every thread of a process."""
+"""actors/cpu_binding.py: which workers bind, the seats (the lowest free one, counted across processes,
+ended with their process) and the cores they get: distinct while the seated workers fit the cores, none once
+they do not, in real processes holding real flocks."""
 from __future__ import annotations
 
 import os
@@ -9,10 +10,12 @@ import textwrap
 
 import pytest
 
-from actors.cpu_binding import CoreClaim, bind_process, bind_worker, cores_to_bind
+from actors.cpu_binding import Seats, bind_worker, cores_to_bind, seat_cores
 from cluster.config import WorkersConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                              reason="needs CPU affinity and 2 usable cores")
 
 
 def test_auto_binds_a_cpu_engine_with_set_threads_when_there_are_cores_to_spare():
@@ -34,46 +37,83 @@ def test_a_bad_mode_is_a_value_error_naming_the_field():
     assert WorkersConfig().cpu_binding == "auto"
 
 
-def test_claims_take_the_highest_core_first_and_the_least_claimed_next(tmp_path):
-    a, b, c, d = (CoreClaim(1, [0, 1, 2], tmp_path) for _ in range(4))
-    assert [a.cores, b.cores, c.cores, d.cores] == [[2], [1], [0], [2]]
-    b.release()
-    e = CoreClaim(1, [2, 0, 1], tmp_path)
-    assert e.cores == [1]
-    f = CoreClaim(2, [0, 1, 2], tmp_path)     # slot 1 of 1 and of 0: the least claimed
-    assert sorted(f.cores) == [0, 1]
-    for x in (a, c, d, e, f):
-        x.release()
-    assert CoreClaim(2, [0, 1, 2], tmp_path).cores == [2, 1]
-    with pytest.raises(ValueError, match="cannot claim 3"):
-        CoreClaim(3, [4, 5], tmp_path)
+def test_two_or_more_seats_get_distinct_cores_from_the_highest_while_they_fit():
+    usable = [0, 1, 2, 3]
+    assert [seat_cores(k, 4, 1, usable) for k in range(4)] == [[3], [2], [1], [0]]
+    assert [seat_cores(k, 2, 2, usable) for k in range(2)] == [[3, 2], [1, 0]]
+    assert seat_cores(0, 1, 1, usable) is None       # alone: the OS places it
+    assert seat_cores(0, 5, 1, usable) is None       # more workers than cores: every one unbound
+    assert seat_cores(0, 3, 2, usable) is None
+    assert seat_cores(4, 2, 1, usable) is None       # a seat past the cores waits until it moves down
+    assert seat_cores(1, 2, 1, [5, 7]) == [5]
 
 
-def test_a_claim_ends_with_its_process(tmp_path):
-    code = ("from pathlib import Path; from actors.cpu_binding import CoreClaim; "
-            f"print(CoreClaim(1, [0, 1], Path({str(tmp_path)!r})).cores)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[1]"
-    assert CoreClaim(1, [0, 1], tmp_path).cores == [1]   # not held by the process that exited
+def test_seats_are_the_lowest_free_and_move_down(tmp_path):
+    a, b, c = (Seats(tmp_path) for _ in range(3))
+    assert [a.seat, b.seat, c.seat] == [0, 1, 2]
+    assert a.seated() == b.seated() == c.seated() == 3
+    a.release()
+    assert b.seated() == 2
+    c.take()
+    assert c.seat == 0 and b.seated() == 2
+    b.take()
+    assert b.seat == 1      # nothing free below it
+    for s in (b, c):
+        s.release()
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
-def test_binding_covers_threads_started_before_and_after():
-    code = textwrap.dedent("""
-        import os, threading
-        from actors.cpu_binding import bind_process
-        core = max(os.sched_getaffinity(0))
-        stop = threading.Event()
-        before = threading.Thread(target=stop.wait); before.start()
-        bind_process([core])
-        after = threading.Thread(target=stop.wait); after.start()
-        tids = os.listdir("/proc/self/task")
-        affs = {tuple(os.sched_getaffinity(int(t))) for t in tids}
-        stop.set(); before.join(); after.join()
-        print(len(tids), affs == {(core,)})
-    """)
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["3", "True"]
+HOLDER = textwrap.dedent("""
+    import os, sys
+    from pathlib import Path
+    from actors.cpu_binding import CoreBinding
+    b = CoreBinding(1, [int(c) for c in sys.argv[2].split(",")], Path(sys.argv[1]))
+    print(b.cores, flush=True)
+    for line in sys.stdin:   # "refresh": look again, then say the cores and every thread's affinity
+        cores = b.refresh()
+        affs = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
+        print(cores, sorted(affs), flush=True)
+""")
+
+
+@affinity
+def test_workers_bind_to_distinct_cores_and_unbind_when_alone_or_outnumbering_them(tmp_path):
+    two = sorted(os.sched_getaffinity(0))[:2]
+    hi, lo = two[1], two[0]
+
+    def start():
+        p = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path), f"{lo},{hi}"], cwd=ROOT, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        return p, p.stdout.readline().strip()
+
+    def refresh(p):
+        p.stdin.write("refresh\n")
+        p.stdin.flush()
+        return p.stdout.readline().strip()
+
+    (p1, c1) = start()
+    procs = [p1]
+    try:
+        assert c1 == "None"       # alone on the machine: the OS places it
+        p2, c2 = start()
+        procs.append(p2)
+        assert c2 == f"[{lo}]" and os.sched_getaffinity(p2.pid) == {lo}
+        assert refresh(p1) == f"[{hi}] [({hi},)]"
+        assert os.sched_getaffinity(p1.pid) == {hi}
+        p3, c3 = start()          # a third worker on two cores: unbound, and so are the others once they look
+        procs.append(p3)
+        assert c3 == "None"
+        assert refresh(p1) == f"None [({lo}, {hi})]"
+        p2.kill()
+        p2.wait()                 # its seat (1) ends with it; the third moves down to it
+        assert refresh(p3) == f"[{lo}] [({lo},)]"
+        assert refresh(p1) == f"[{hi}] [({hi},)]"
+        p3.stdin.close()
+        p3.wait()
+        assert refresh(p1) == f"None [({lo}, {hi})]"   # alone again
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def test_bind_worker_binds_nothing_it_should_not():
@@ -83,4 +123,3 @@ def test_bind_worker_binds_nothing_it_should_not():
     assert bind_worker("auto", "cpu", 0, 1) is None
     if before is not None:
         assert os.sched_getaffinity(0) == before
-
