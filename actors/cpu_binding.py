@@ -1,5 +1,5 @@
-"""CPU binding: a worker whose engine runs on the CPU keeps its process on cores of its own, as vLLM's and
-SGLang's CPU backends bind each rank's threads to a core set.
+"""CPU binding: workers whose engines run on the CPU, two or more on a machine, keep their processes on cores
+of their own, as vLLM's and SGLang's CPU backends bind each rank's threads to a core set.
 
 Why: with two engines on one machine the scheduler, placing each thread beside whichever thread woke it,
 often stacks both engine threads on one core while another idles. Bound, 1P+1D on 2 cores did better in

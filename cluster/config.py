@@ -37,8 +37,9 @@ class WorkersConfig:
     # > 1: each (colocated) worker serves through an expert-parallel group of ep_size rank processes on
     # its node (actors/ep_host.py), each asking num_cpus / num_gpus; engine.eplb.num_ranks must match.
     ep_size: int = 1
-    # auto: a worker whose engine runs on the CPU with torch_threads set keeps its process on that many
-    # cores of its own (actors/cpu_binding.py); off: the OS places it.
+    # auto: workers whose engines run on the CPU with torch_threads set, two or more on a machine and no
+    # more than its cores, keep their processes on cores of their own (actors/cpu_binding.py); off: the OS
+    # places them.
     cpu_binding: str = "auto"
 
     def __post_init__(self) -> None:
