@@ -134,8 +134,10 @@ class WorkerActor:
                              name="strata-l3-segment", daemon=True).start()
 
     def __ray_shutdown__(self) -> None:
-        """A graceful exit (Ray calls this): stop the threads, close the sockets."""
+        """A graceful exit (Ray calls this): stop the threads, close the sockets, give up the seat."""
         self._stop.set()
+        if self.cores is not None:
+            self.cores.close()   # the other workers on this machine see one fewer at their next look
         if self.channel.requests is not None:
             self.core.detach_inbox(self.channel.requests)
         self.channel.close()
