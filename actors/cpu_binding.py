@@ -140,6 +140,7 @@ class CoreBinding:
         self.seats = Seats(directory)
         self.cores: list[int] | None = None
         self._stop = threading.Event()
+        self._lock = threading.Lock()   # a refresh and close, one at a time: no seat taken after close
         try:
             self.refresh()
         except BaseException:
@@ -147,13 +148,16 @@ class CoreBinding:
             raise
 
     def refresh(self) -> list[int] | None:
-        self.seats.take()
-        cores = seat_cores(self.seats.seat, self.seats.seated(), self.per_worker, self.usable)
-        bind_process(cores if cores is not None else self.usable)   # each time: threads started meanwhile
-        if cores != self.cores:
-            log.info("seat %d: %s", self.seats.seat, f"bound to cores {cores}" if cores else "unbound")
-        self.cores = cores
-        return cores
+        with self._lock:
+            if self._stop.is_set():
+                return self.cores
+            self.seats.take()
+            cores = seat_cores(self.seats.seat, self.seats.seated(), self.per_worker, self.usable)
+            bind_process(cores if cores is not None else self.usable)   # each time: threads started meanwhile
+            if cores != self.cores:
+                log.info("seat %d: %s", self.seats.seat, f"bound to cores {cores}" if cores else "unbound")
+            self.cores = cores
+            return cores
 
     def start(self) -> CoreBinding:
         threading.Thread(target=self._run, name="strata-cores", daemon=True).start()
@@ -167,8 +171,9 @@ class CoreBinding:
                 log.warning("refreshing the core binding failed: %s", e)
 
     def close(self) -> None:
-        self._stop.set()
-        self.seats.release()
+        with self._lock:
+            self._stop.set()
+            self.seats.release()
 
 
 def bind_worker(mode: str, device: str, torch_threads: int, ep_size: int) -> CoreBinding | None:

@@ -69,6 +69,11 @@ HOLDER = textwrap.dedent("""
     b = CoreBinding(1, [int(c) for c in sys.argv[2].split(",")], Path(sys.argv[1]))
     print(b.cores, flush=True)
     for line in sys.stdin:   # "refresh": look again, then say the cores and every thread's affinity
+        if line.strip() == "close":
+            b.close()
+            b.refresh()
+            print(b.seats.seat, b.seats.seated(), flush=True)
+            continue
         cores = b.refresh()
         affs = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
         print(cores, sorted(affs), flush=True)
@@ -110,6 +115,9 @@ def test_workers_bind_to_distinct_cores_and_unbind_when_alone_or_outnumbering_th
         p3.stdin.close()
         p3.wait()
         assert refresh(p1) == f"None [({lo}, {hi})]"   # alone again
+        p1.stdin.write("close\n")
+        p1.stdin.flush()
+        assert p1.stdout.readline().strip() == "None 0"   # closed: its seat given up, none taken again
     finally:
         for p in procs:
             p.kill()
