@@ -106,6 +106,9 @@ class Sample:
         self.logprobs += list(getattr(item, "logprobs", None) or ())
         if getattr(item, "prompt_logprobs", None) is not None:
             self.prompt_logprobs = list(item.prompt_logprobs)
+        if self.last is not None and not item.cached_tokens and not item.cached_tokens_by_tier:
+            # the hit came with the first item: every chunk after it says it too (SGLang's meta_info)
+            item.cached_tokens, item.cached_tokens_by_tier = self.last.cached_tokens, self.last.cached_tokens_by_tier
         self.last = item
 
     @property

@@ -88,6 +88,9 @@ class RayBackend:
                     cfg, geometry = await self.router.config.remote(), await self.router.geometry.remote()
                     self.router_cfg, self.geometry = cfg, geometry
                 sole = self.routes.sole(self.workers) if pin is None and not avoid else None
+                decodes = params.max_new_tokens > 1
+                if sole is not None and sole.decode is not None and decodes and self.router_cfg.local_prefill_tokens:
+                    sole = None   # the router decides whether its decode worker prefills it (conditional P/D)
                 if sole is not None:
                     items = self.kv_handoff.run(ids, params, sole.prefill, sole.decode, whole)
                     first = asyncio.ensure_future(_first_item(items))
@@ -107,7 +110,7 @@ class RayBackend:
                         and not {pin.prefill, pin.decode} & set(avoid):
                     served = Served(pin.prefill, pin.decode)   # not predicted: the router was not asked
                 else:
-                    r = await self.routes.route(keys, len(ids), avoid)
+                    r = await self.routes.route(keys, len(ids), avoid, local=decodes)
                     served = Served(r.prefill, r.decode, r.cached_pages * self.geometry.page_size)
                 for w in (served.prefill, served.decode):
                     if w is not None and w not in self.workers:   # scaled out since this replica started

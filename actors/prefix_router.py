@@ -21,7 +21,7 @@ from typing import NamedTuple
 from typing import Iterable
 
 from actors.recent_routes import RecentRoutes
-from actors.routing import L3_WORKER, NoWorkerError, PrefixIndex, RouterConfig, pick_decode, route
+from actors.routing import L3_WORKER, NoWorkerError, PrefixIndex, RouterConfig, local_prefill, pick_decode, route
 from storage.geometry import KVGeometry
 from storage.kv_events.subscriber import Delivered, Lost, Update
 from storage.kv_events.wire import CPU, CPU_PINNED, DISK, EXTERNAL, GPU, AllBlocksCleared
@@ -78,6 +78,7 @@ class Router:
         self.asks: dict[str, int] = {}      # holder -> snapshots asked since it was last exact
         self.ready_at = ready_at
         self.applied = self.lost = 0     # wire events applied, gaps lost
+        self.local_prefills = 0          # requests prefilled on their decode worker (no handoff)
 
     def needs_replay(self, worker: str) -> bool:
         """Whether the worker's stream must be read again from its start before its report counts: a
@@ -155,9 +156,13 @@ class Router:
         return {w: self.loads[w] for w, r in self.roles.items()
                 if r in roles and w not in self.dropped and w not in self.removed and w not in self.draining}
 
-    def route(self, keys: list[int], prompt_len: int, now: float, avoid: list[str] | None = None) -> Route:
+    def route(self, keys: list[int], prompt_len: int, now: float, avoid: list[str] | None = None,
+              local: bool = True) -> Route:
         """The prefill worker (and, for a prefill worker, the decode worker) of a prompt given its block
         ids ``keys``. ``avoid``: workers that just failed this request (used only when no other is left).
+        ``local``: the request has a decode phase, and may be prefilled on its decode worker when that one
+        holds nearly all of its prompt (``RouterConfig.local_prefill_tokens``; the answer then names the
+        decode worker as its only worker, and is never ``alone``: it depends on the prompt).
         While the index is being rebuilt (a restart's warm-up, a first snapshot asked) it raises
         NoWorkerError, which callers retry."""
         if now < self.ready_at:
@@ -169,13 +174,18 @@ class Router:
         by_prefix = self.cfg.policy == "prefix"    # round_robin reads neither the cache nor recent routes
         worker, ov = route(self.index, keys, prompt_len, prefill, self.cfg, self.geom, turn=self.decisions,
                            recent=self.recent.pages(keys, prefill) if by_prefix else None)
-        if by_prefix:
-            self.recent.add(worker, keys)
         decode, alone = None, len(prefill) == 1
         if self.roles[worker] == "prefill":
             decodes = _avoiding(self.live(("decode",), now), avoid)
             decode, alone = pick_decode(decodes), alone and len(decodes) == 1
+            own = local_prefill(self.index, keys, prompt_len, decode, self.cfg, self.geom,
+                                self.recent.pages(keys, (decode,)).get(decode, 0)) if local and by_prefix else None
             self.loads[decode]["running"] = self.loads[decode].get("running", 0) + 1
+            if own is not None:   # it prefills on its decode worker: no handoff
+                worker, decode, ov, alone = decode, None, own, False
+                self.local_prefills += 1
+        if by_prefix:
+            self.recent.add(worker, keys)
         # Count the request against the worker until its next report, so a burst spreads out.
         self.loads[worker]["queued_tokens"] = self.loads[worker].get("queued_tokens", 0) + prompt_len
         self.decisions += 1
@@ -210,7 +220,8 @@ class Router:
         return {"workers": {w: {"role": self.roles[w], "load": self.loads[w], "age_s": round(now - self.seen[w], 3),
                                 "live": w not in self.dropped, "draining": w in self.draining}
                             for w in self.roles},
-                "indexed_pages": len(self.index), "decisions": self.decisions, "removed": sorted(self.removed),
+                "indexed_pages": len(self.index), "decisions": self.decisions,
+                "local_prefills": self.local_prefills, "removed": sorted(self.removed),
                 "draining": sorted(self.draining), "events_applied": self.applied, "gaps_lost": self.lost,
                 "resync_pending": sorted(self.resync)}
 

@@ -14,7 +14,9 @@ prompt's hashing, between processes woken from idle) overlaps the worker's step 
 it, and the router still counts the request and predicts its hit. An answer that names other workers (an
 operator drained one, one was added) withdraws the request (aborted there, before any of its items is
 passed on) and sends it where the router says; no answer (no channel, the router restarting) leaves it
-where it went, unpredicted. Either ends the shortcut: the next requests ask first.
+where it went, unpredicted. Either ends the shortcut: the next requests ask first. With conditional
+disaggregation on (``RouterConfig.local_prefill_tokens``), a P/D request with a decode phase always asks
+first: whether its decode worker prefills it depends on the prompt (``Router.route``'s ``local``).
 """
 from __future__ import annotations
 
@@ -70,7 +72,11 @@ class RouteAsker:
         return sole
 
     def _learn(self, r: Route) -> None:
-        """Keep (or forget) the router's answer as the next requests' choice, by whether it was the only one."""
+        """Keep (or forget) the router's answer as the next requests' choice, by whether it was the only one.
+        An answer that has the sole pair's decode worker prefill the prompt itself (conditional
+        disaggregation: never ``alone``, it depends on the prompt) says nothing of the pair: kept as it is."""
+        if not r.alone and r.decode is None and self._sole is not None and self._sole[0].decode == r.prefill:
+            return
         self._sole = (Served(r.prefill, r.decode), asyncio.get_running_loop().time() + SOLE_ROUTE_TTL_S) \
             if r.alone else None
 
@@ -84,7 +90,7 @@ class RouteAsker:
         try:
             if client is None:
                 raise ChannelDown("no route channel")
-            r = await client.route(keys, n, [])
+            r = await client.route(keys, n, [], local=False)   # it went to the pair already
         except (ChannelDown, NoWorkerError, RouterError) as e:
             log.info("a request sent to the sole choice is unconfirmed: %s", e)
             if isinstance(e, ChannelDown) and client is not None:
@@ -95,14 +101,16 @@ class RouteAsker:
         return r
 
     # ---- asking ------------------------------------------------------------------------------------------
-    async def route(self, keys: list[int], n: int, avoid: tuple[str, ...], wait: float = 10.0) -> Route:
+    async def route(self, keys: list[int], n: int, avoid: tuple[str, ...], wait: float = 10.0,
+                    local: bool = True) -> Route:
         """Ask the router (over its route channel, else over Ray), and learn from its answer whether it was
-        the only choice; a router that has just restarted knows no worker until their next reports (every
-        report interval), so "no prefill/decode worker" is retried for a few seconds rather than failing."""
+        the only choice (``local``: Router.route's, whether the request has a decode phase); a router
+        that has just restarted knows no worker until their next reports (every report interval), so "no
+        prefill/decode worker" is retried for a few seconds rather than failing."""
         deadline = asyncio.get_running_loop().time() + wait
         while True:
             try:
-                r = await self._once(keys, n, list(avoid))
+                r = await self._once(keys, n, list(avoid), local)
                 self._learn(r)
                 return r
             except NoWorkerError:
@@ -113,18 +121,18 @@ class RouteAsker:
                     raise
             await asyncio.sleep(0.1)
 
-    async def _once(self, keys: list[int], n: int, avoid: list[str]) -> Route:
+    async def _once(self, keys: list[int], n: int, avoid: list[str], local: bool = True) -> Route:
         """One ask: over the channel, or over Ray when the channel cannot answer (then dropped: the next
         request asks the router where it listens now). A request whose answer timed out may be counted
         twice in the router's load: an estimate anyway, until the worker's next report."""
         client = await self.client()
         if client is not None:
             try:
-                return await client.route(keys, n, avoid)
+                return await client.route(keys, n, avoid, local)
             except ChannelDown as e:
                 log.info("routing over Ray: %s", e)
                 self.drop(client)
-        return await self.router.route.remote(keys, n, avoid)
+        return await self.router.route.remote(keys, n, avoid, local)
 
     # ---- the channel -------------------------------------------------------------------------------------
     async def client(self) -> RouteClient | None:

@@ -22,9 +22,10 @@ for its answer as it waited for the Ray call's; when none comes (``timeout``, or
 seen lost) it is ChannelDown and the worker reports over Ray, then asks where the channel is again.
 
 Wire (frames after the ROUTER's routing id): one msgpack array each way. Request ``[req_id, keys,
-prompt_len, avoid]``; reply ``[req_id, true, [prefill, decode, cached_pages, by_tier, alone]]`` (the ``Route``
-fields) or ``[req_id, false, [error_kind, message]]``; ``error_kind`` ``NoWorkerError`` (the router has no
-worker for it yet: the caller retries as over Ray) comes back as that exception, any other as RouterError.
+prompt_len, avoid, local]`` (``local`` may be left off: true); reply ``[req_id, true, [prefill, decode,
+cached_pages, by_tier, alone]]`` (the ``Route`` fields) or ``[req_id, false, [error_kind, message]]``;
+``error_kind`` ``NoWorkerError`` (the router has no worker for it yet: the caller retries as over Ray) comes
+back as that exception, any other as RouterError.
 A report is two frames, ``REPORT`` then ``[req_id, worker, role, load, fresh, stream, l3]`` (the streams
 ``[[topic, pub, replay], seq]`` or nil); its reply ``[req_id, true, [ignored, resync]]`` or an error as
 above.
@@ -69,6 +70,7 @@ class _Request(msgspec.Struct, array_like=True):
     keys: list[int]
     prompt_len: int
     avoid: list[str] | None
+    local: bool = True
 
 
 class _RouteWire(msgspec.Struct, array_like=True):
@@ -99,11 +101,12 @@ _report_decoder = msgspec.msgpack.Decoder(_Report)
 _reply_decoder = msgspec.msgpack.Decoder(tuple[int, bool, list])
 
 
-def encode_request(req_id: int, keys: list[int], prompt_len: int, avoid: list[str] | None) -> bytes:
-    return _encoder.encode((req_id, keys, prompt_len, avoid))
+def encode_request(req_id: int, keys: list[int], prompt_len: int, avoid: list[str] | None,
+                   local: bool = True) -> bytes:
+    return _encoder.encode((req_id, keys, prompt_len, avoid, local))
 
 
-def answer(route: Callable[[list[int], int, list[str] | None], Route], payload: bytes) -> bytes:
+def answer(route: Callable[[list[int], int, list[str] | None, bool], Route], payload: bytes) -> bytes:
     """The reply to one request payload: ``route``'s answer, or its error by kind (a request that does
     not decode is a ValueError, answered like any other error: its id, when readable, lets the client
     fail that request at once)."""
@@ -112,7 +115,7 @@ def answer(route: Callable[[list[int], int, list[str] | None], Route], payload: 
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         return _encoder.encode((_req_id_of(payload), False, ("ValueError", f"bad route request: {e}")))
     try:
-        r = route(req.keys, req.prompt_len, req.avoid)
+        r = route(req.keys, req.prompt_len, req.avoid, req.local)
     except NoWorkerError as e:
         return _encoder.encode((req.req_id, False, (NO_WORKER, str(e))))
     except Exception as e:  # noqa: BLE001 - its kind and message go back to the caller
@@ -155,7 +158,7 @@ def decode_reply(payload: bytes, where: str) -> tuple[int, Route | Exception]:
 
 class RouteServer:
     """The router's end: a ROUTER bound on ``host`` (a free port; ``endpoint`` says where) and one thread
-    that owns the socket and answers each request with ``route(keys, prompt_len, avoid)`` and each report
+    that owns the socket and answers each request with ``route(keys, prompt_len, avoid, local)`` and each report
     with ``report(...)`` (the actor's locked methods; without ``report``, reports are answered with an
     error). The ROUTER never blocks on a send (no high-water mark); a client that is gone is dropped by
     ZMQ."""
@@ -234,7 +237,7 @@ class RouteClient:
         self.closed = False
         self.why = ""   # why it closed
 
-    async def route(self, keys: list[int], prompt_len: int, avoid: list[str] | None) -> Route:
+    async def route(self, keys: list[int], prompt_len: int, avoid: list[str] | None, local: bool = True) -> Route:
         """The router's answer; NoWorkerError / RouterError as the router said; ChannelDown when none
         came within ``timeout`` or the channel is closed."""
         if self.closed:
@@ -242,7 +245,7 @@ class RouteClient:
         rid = next(self._ids)
         fut = self._pending[rid] = self.loop.create_future()
         try:
-            await self._sock.send(encode_request(rid, keys, prompt_len, avoid), copy=False)
+            await self._sock.send(encode_request(rid, keys, prompt_len, avoid, local), copy=False)
             async with asyncio.timeout(self.timeout):
                 got = await fut
         except TimeoutError:

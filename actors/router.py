@@ -149,16 +149,17 @@ class PrefixRouterActor:
         return self.core.geom
 
     # ---- routing and the registry ----------------------------------------------------------------------
-    def route(self, keys: list[int], prompt_len: int, avoid: list[str] | None = None) -> Route:
+    def route(self, keys: list[int], prompt_len: int, avoid: list[str] | None = None, local: bool = True) -> Route:
         """``keys``: the prompt's block ids (``prompt_blocks``), hashed by the caller so the one router
-        actor only decides. While a snapshot it asked is due, it reads the streams first (the snapshot
-        may be waiting on the socket) and raises NoWorkerError if still rebuilding (callers retry).
+        actor only decides (``local``: Router.route's). While a snapshot it asked is due, it reads the
+        streams first (the snapshot may be waiting on the socket) and raises NoWorkerError if still
+        rebuilding (callers retry).
         Called by Ray and by the route channel's thread."""
         with self._lock:
             now = time.monotonic()
             if self.core.rebuilding(now):
                 self.core.apply(self.feed.poll())
-            return self.core.route(keys, prompt_len, now, avoid)
+            return self.core.route(keys, prompt_len, now, avoid, local)
 
     def drain(self, worker: str) -> bool:
         with self._lock:

@@ -46,6 +46,13 @@ class RouterConfig:
     # since (actors/recent_routes.py): its KV events come with them, so a repeat sooner would otherwise go
     # elsewhere. 0: the index alone.
     recent_reports: int = 2
+    # Conditional disaggregation (Dynamo's: "if the prefill is short or the decode engine has a high prefix
+    # cache hit, it is more efficient to prefill locally in the decode engine"; llm-d decides on the same
+    # count): a request with a decode phase whose prompt its decode worker holds itself (L1/L2) but for at
+    # most this many tokens is prefilled there, with no handoff, no lease and no transfer. A multi-turn
+    # conversation's next turn finds its history on the decode worker that ran the last one. 0: every such
+    # request is handed off.
+    local_prefill_tokens: int = 128
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTE_POLICIES:
@@ -56,6 +63,9 @@ class RouterConfig:
                 raise ValueError(f"{name} must be a number >= 0, got {v!r}")
         if isinstance(self.recent_reports, bool) or not isinstance(self.recent_reports, int) or self.recent_reports < 0:
             raise ValueError(f"recent_reports must be an integer >= 0, got {self.recent_reports!r}")
+        if isinstance(self.local_prefill_tokens, bool) or not isinstance(self.local_prefill_tokens, int) \
+                or self.local_prefill_tokens < 0:
+            raise ValueError(f"local_prefill_tokens must be an integer >= 0, got {self.local_prefill_tokens!r}")
 
 
 @dataclass
@@ -192,22 +202,29 @@ class PrefixIndex:
         return {w: Overlap(p, {"L1": a, "L2": b, "L3": c})
                 for w, (p, a, b, c) in zip(workers, self._overlap_rows(keys, workers, window_pages))}
 
-    def _overlap_rows(self, keys: Sequence[int], workers: Sequence[str],
-                      window_pages: int) -> list[tuple[int, int, int, int]]:
+    def own_overlap(self, keys: Sequence[int], worker: str, window_pages: int) -> Overlap:
+        """``overlap`` from what ``worker`` holds itself (its L1/L2), the shared L3 store left out."""
+        (p, a, b, c), = self._overlap_rows(keys, [worker], window_pages, shared_l3=False)
+        return Overlap(p, {"L1": a, "L2": b, "L3": c})
+
+    def _overlap_rows(self, keys: Sequence[int], workers: Sequence[str], window_pages: int,
+                      shared_l3: bool = True) -> list[tuple[int, int, int, int]]:
         """``overlap_all``'s answers as ``(pages, L1, L2, L3)`` per worker, in ``workers`` order (what
-        ``route`` reads: no Overlap built for the workers it does not pick)."""
+        ``route`` reads: no Overlap built for the workers it does not pick). ``shared_l3``: the shared L3
+        store's pages serve every worker."""
         swa = self._swa if window_pages else None
         slots = self._slots
         shifts = [3 * s if (s := slots.get(w)) is not None else -1 for w in workers]
         if _c_overlap is not None:
             got = _c_overlap(self._full, swa, keys if type(keys) is list else list(keys), shifts,
-                             3 * slots[L3_WORKER], window_pages)
+                             3 * slots[L3_WORKER] if shared_l3 else -1, window_pages)
             if got is not None:   # None: something only the Python walk judges
                 return got
         fulls = list(map(self._full.get, keys))
         if None in fulls:
             del fulls[fulls.index(None):]
-        return [_walk(fulls, keys, swa, s, window_pages) for s in shifts]
+        l3_bit = _L3_BIT if shared_l3 else 0
+        return [_walk(fulls, keys, swa, s, window_pages, l3_bit) for s in shifts]
 
 
 try:
@@ -220,14 +237,14 @@ _L3_BIT = 1 << 2    # the shared L3 store (slot 0) holds the page in tier L3
 
 
 def _walk(fulls: list[int], keys: Sequence[int], swa: dict | None, shift: int,
-          window_pages: int) -> tuple[int, int, int, int]:
+          window_pages: int, l3_bit: int = _L3_BIT) -> tuple[int, int, int, int]:
     """The usable prefix ``(pages, L1, L2, L3)`` for one worker (see the module doc for the rule) over the
     looked-up full masks ``fulls`` of ``keys``; ``shift``: 3 * the worker's slot (-1: a worker the index
     never saw). The worker's full pages run up to its first page held neither by it nor by L3; the prefix
     is usable up to the end of the last run of SWA pages (in ``swa``: the worker's or L3's) inside it that
     is ``window_pages`` long or starts at page 0 (``swa`` None: no window to check). Each page is served
     from the fastest tier the worker holds it in, else from L3."""
-    usable = (_L3_BIT | (7 << shift)) if shift >= 0 else _L3_BIT
+    usable = (l3_bit | (7 << shift)) if shift >= 0 else l3_bit
     n = 0
     for v in fulls:
         if not v & usable:
@@ -299,6 +316,24 @@ def route(index: PrefixIndex, keys: Sequence[int], prompt_len: int, loads: Mappi
         if best is None or cost < best[0]:
             best = (cost, worker, pages, l1, l2, l3)
     return best[1], Overlap(best[2], {"L1": best[3], "L2": best[4], "L3": best[5]})
+
+
+def local_prefill(index: PrefixIndex, keys: Sequence[int], prompt_len: int, decode: str, cfg: RouterConfig,
+                  geom: KVGeometry, recent_pages: int = 0) -> Overlap | None:
+    """Conditional disaggregation: the decode worker's usable cached prefix of the prompt when it holds
+    some of it and lacks at most ``cfg.local_prefill_tokens`` tokens (it then prefills the rest itself),
+    else None (hand it off: a prompt new to it goes to a prefill worker however short). Only pages it
+    holds itself count as held (L1/L2, or ``recent_pages``: a prompt just routed to it), and its usable
+    prefix ends at a window of sliding pages it holds itself: what only the shared L3 has would be read in
+    on the decode worker's side, if at all (an engine looks in L3 for a prompt's pages only past
+    ``prefetch_min_tokens`` beyond its own), so it counts as work there."""
+    limit, ps = cfg.local_prefill_tokens, geom.page_size
+    if limit <= 0 or prompt_len - len(keys) * ps > limit:
+        return None
+    ov = index.own_overlap(keys, decode, geom.window_pages)
+    if recent_pages > ov.pages:
+        ov = Overlap(recent_pages, {"L1": recent_pages, "L2": 0, "L3": 0})
+    return ov if ov.pages and prompt_len - ov.pages * ps <= limit else None
 
 
 def pick_decode(loads: Mapping[str, dict]) -> str:

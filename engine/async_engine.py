@@ -316,6 +316,9 @@ class AsyncEngine:
         item = StreamItem(rid, toks, finished)
         if out is not None:
             item.logprobs, item.prompt_logprobs = list(out.logprobs), out.prompt_logprobs
+        if not finished and (req := self.engine.requests.get(rid)) is not None and len(req.output_ids) == len(toks):
+            # the first item: the prompt's hit is known (SGLang's clients read cached_tokens off the first chunk)
+            item.cached_tokens, item.cached_tokens_by_tier = req.cached_tokens, dict(req.cached_by_tier)
         if finished:
             req = self.engine.requests[rid]
             out = self.engine.pop_finished(rid)

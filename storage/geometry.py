@@ -64,11 +64,12 @@ class KVGeometry:
         return self.swa_lo(prompt_len) // self.page_size
 
     def swa_aligned_first_page(self, prompt_len: int) -> int:
-        """First page of the whole-page window before the prompt's last page boundary: exporting from here
-        lets the receiver continue from that boundary too (its prefix cache matches whole pages)."""
-        if not self.window:
-            return 0
-        return max(0, prompt_len // self.page_size - self.window_pages)
+        """First page of the whole-page window before the last page boundary before the prompt's last
+        token (``swa_retained_from``'s page): exporting from here lets the receiver's prefix cache serve a
+        repeat of the prompt (matched whole pages up to that boundary: its last token is always computed)
+        and a continuation from the prompt's own last page boundary, one page later when the prompt ends
+        on one."""
+        return self.swa_retained_from(prompt_len) // self.page_size
 
     def swa_retained_from(self, end: int) -> int:
         """First position page-aligned SWA retention (prefix cache on) keeps once positions [0, end) are

@@ -61,9 +61,9 @@ async def _requests(b, n: int, asked: list[int]) -> list:
         if not hasattr(client, "ask"):
             client.ask = client.route
 
-            async def route(*a, _c=client):
+            async def route(*a, _c=client, **kw):
                 _c.asked.append(len(b._channels["w0"]._queues) if "w0" in b._channels else 0)
-                return await _c.ask(*a)
+                return await _c.ask(*a, **kw)
             client.route = route
         s = b.stream(PROMPT, SP)
         items = [i async for i in s]

@@ -71,6 +71,15 @@ def test_ray_job_submit_serves_a_request_and_reruns_adopt_or_replace(tmp_path):
     try:
         submit()
         serves_a_request()
+        # Conditional disaggregation on 1P+1D, while the router's answers are the only choice: a repeat of a
+        # handed-off prompt is prefilled on the decode worker, which holds it (README "How a request flows").
+        url, repeat = f"http://127.0.0.1:{http}/generate", {"input_ids": [i % 251 for i in range(200)],
+                                                           "sampling_params": {"max_new_tokens": 4}}
+        first = httpx.post(url, json=repeat, timeout=30).json()["meta_info"]["route"]
+        time.sleep(0.5)   # the decode worker's KV events reach the router within a report interval
+        again = httpx.post(url, json=repeat, timeout=30).json()
+        assert first["decode"] is not None and again["meta_info"]["route"]["prefill"] == first["decode"], again
+        assert len(again["output_ids"]) == 4
         # Re-submitting the same job (a KubeRay retry, a re-apply) adopts the running cluster, app included.
         out = submit("--if-exists", "adopt")
         assert "adopted the running cluster" in out, out[-3000:]

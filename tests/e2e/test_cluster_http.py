@@ -72,7 +72,9 @@ def test_second_turn_goes_back_to_the_prefill_worker_holding_the_first(cluster):
                                                                                     "temperature": 0}}, timeout=60).json()
     p1 = r1["meta_info"]["route"]["prefill"]
     time.sleep(0.5)  # KV events reach the router within a report interval
-    turn2 = hist + r1["output_ids"] + [3] * 40
+    # 200 new tokens: more than the decode worker, which holds the first turn too, prefills itself
+    # (router.local_prefill_tokens: test_a_short_next_turn_is_prefilled_on_the_decode_worker_...)
+    turn2 = hist + r1["output_ids"] + [3] * 200
     r2 = httpx.post(f"{url}/generate", json={"input_ids": turn2, "sampling_params": {"max_new_tokens": 8,
                                                                                      "temperature": 0}}, timeout=60).json()
     assert r2["meta_info"]["route"]["prefill"] == p1
@@ -88,7 +90,7 @@ def test_once_the_first_prefill_worker_is_gone_the_other_serves_turn_two_from_l3
     time.sleep(1.0)  # write-through L2 -> L3 runs in the background; events reach the router
     ray.get(router.remove_worker.remote(p1))
     try:
-        turn2 = hist + r1["output_ids"] + [3] * 40
+        turn2 = hist + r1["output_ids"] + [3] * 200   # more than the decode worker prefills itself
         r2 = httpx.post(f"{url}/generate", json={"input_ids": turn2, "sampling_params": {
             "max_new_tokens": 8, "temperature": 0}}, timeout=60).json()
         assert r2["meta_info"]["route"]["prefill"] != p1
@@ -96,6 +98,34 @@ def test_once_the_first_prefill_worker_is_gone_the_other_serves_turn_two_from_l3
         assert r2["meta_info"]["cached_tokens"] >= 16 * (len(hist) // 16) - 32
     finally:
         ray.get(router.restore_worker.remote(p1))
+
+
+@pytest.mark.numerics
+def test_a_short_next_turn_is_prefilled_on_the_decode_worker_holding_the_conversation(cluster, reference):
+    """Conditional disaggregation: the decode worker that ran turn one holds it (it inserts what it decoded
+    in its tree); turn two adds 20 tokens, fewer than ``router.local_prefill_tokens``, so that worker
+    prefills them itself: no prefill worker, no lease, no transfer, and the same tokens."""
+    url, router = cluster["url"], cluster["router"]
+    hist = [(i * 7 + 3) % 251 for i in range(300)]
+
+    def post(ids):
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+        return httpx.post(f"{url}/generate", json=body, timeout=60).json()
+    r1 = post(hist)
+    d1 = r1["meta_info"]["route"]["decode"]
+    assert d1 is not None   # new to every worker: handed off
+    time.sleep(0.5)         # the decode worker's KV events reach the router within a report interval
+    before = ray.get(router.status.remote(), timeout=30)["local_prefills"]
+    turn2 = hist + r1["output_ids"] + [9] * 20
+    r2 = post(turn2)
+    assert r2["meta_info"]["route"]["prefill"] == d1 and r2["meta_info"]["route"].get("decode") is None
+    assert r2["meta_info"]["cached_tokens"] >= 16 * (len(hist) // 16)
+    numerics.assert_same_output(r2["output_ids"], _ref(reference, turn2, 8), reference.model_config, "local prefill")
+    assert ray.get(router.status.remote(), timeout=30)["local_prefills"] == before + 1
+    # a request with no decode phase stays on a prefill worker
+    r3 = httpx.post(f"{url}/generate", json={"input_ids": turn2, "sampling_params": {"max_new_tokens": 1}},
+                    timeout=60).json()
+    assert r3["meta_info"]["route"]["prefill"] != d1
 
 
 @pytest.mark.parametrize("body, code", [

@@ -72,10 +72,13 @@ def cluster(request, tmp_path_factory):
     cfg = load_config("cluster/configs/pd-2p1d.yaml")
     hicache = dataclasses.replace(cfg.engine.hicache, host_pages=HOST_PAGES, l3=None)
     engine = dataclasses.replace(cfg.engine, num_pages=NUM_PAGES, hicache=hicache)
+    # Every turn goes to a prefill worker, whose index the two consumers are compared on (none is prefilled on
+    # the decode worker that holds it: conditional disaggregation, tests/e2e/test_cluster_http.py).
     cfg = dataclasses.replace(cfg, engine=engine,
                               kv_events=dataclasses.replace(cfg.kv_events, enabled=True, host="127.0.0.1",
                                                             encoding=request.param),
-                              server=dataclasses.replace(cfg.server, host="127.0.0.1", port=free_port()))
+                              server=dataclasses.replace(cfg.server, host="127.0.0.1", port=free_port()),
+                              router=dataclasses.replace(cfg.router, local_prefill_tokens=0))
     launch.init_ray(cfg)
     handles = launch.deploy(cfg)
     try:

@@ -14,8 +14,10 @@ def mn_config(tmp_path_factory, name: str = "pd-2p1d.yaml", **placement):
     l3 = dataclasses.replace(cfg.engine.hicache.l3, path=str(tmp_path_factory.mktemp("l3")))
     engine = dataclasses.replace(cfg.engine, hicache=dataclasses.replace(cfg.engine.hicache, l3=l3))
     pc = dataclasses.replace(cfg.placement, **placement)
+    # These tests follow requests across prefill nodes (a conversation moved, a node lost, scaled): none is
+    # prefilled on the decode worker that holds it (conditional disaggregation: tests/e2e/test_cluster_http.py).
     return dataclasses.replace(cfg, engine=engine, server=dataclasses.replace(cfg.server, port=free_port()),
-                               placement=pc)
+                               placement=pc, router=dataclasses.replace(cfg.router, local_prefill_tokens=0))
 
 
 @pytest.fixture(scope="package")

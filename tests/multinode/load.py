@@ -51,5 +51,6 @@ def routes(results) -> set:
     out = set()
     for r in results:
         if r.status == 200:
-            out |= {r.body["meta_info"]["route"]["prefill"], r.body["meta_info"]["route"]["decode"]}
+            route = r.body["meta_info"]["route"]
+            out |= {route["prefill"], route.get("decode")} - {None}   # no decode: prefilled on its decode worker
     return out

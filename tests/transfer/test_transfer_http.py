@@ -30,8 +30,11 @@ def cluster(ray_session):
     except RuntimeError as e:
         pytest.skip(f"NIXL cannot load: {e}")
     cfg = load_config("cluster/configs/pd-1p1d-nixl.yaml")
+    # Every request over the transfer: none prefilled on the decode worker that holds its prompt (the same
+    # prompt is sent streamed too; conditional disaggregation: tests/e2e/test_cluster_http.py).
     cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, poison_kv=True),
-                              server=dataclasses.replace(cfg.server, port=free_port(), request_timeout=60.0))
+                              server=dataclasses.replace(cfg.server, port=free_port(), request_timeout=60.0),
+                              router=dataclasses.replace(cfg.router, local_prefill_tokens=0))
     handles = launch.deploy(cfg)
     yield handles
     launch.shutdown(handles)

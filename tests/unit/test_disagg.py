@@ -118,3 +118,26 @@ def test_decode_offloads_only_what_the_prefill_worker_did_not(tmp_path):
     assert found["same store"] >= 256 - 16, found          # prompt (prefill worker) + output (decode worker)
     assert found["another store"] <= 192, found            # only the prompt reached this store
     assert moved["same store"] < moved["another store"], moved   # 8 against 24 pages (full + SWA)
+
+
+@pytest.mark.numerics
+def test_the_decode_side_serves_a_repeat_of_a_handed_off_prompt_from_its_own_cache():
+    """The prefill side sends the sliding window before the repeat's cut too (one page more when the
+    prompt ends on a page boundary, KVGeometry.swa_aligned_first_page), so the decode side's tree can
+    serve the same prompt again (conditional disaggregation prefills such a repeat there)."""
+    sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    g = torch.Generator().manual_seed(31)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (128, 200, 512)]
+    whole = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=256)
+    want = whole.generate(prompts, numerics.with_logits(sp))
+    kw = dict(page_size=16, num_pages=256, enable_prefix_cache=True, poison_kv=True)
+    pre, dec = Engine.from_pretrained("strata-tiny", **kw), Engine.from_pretrained("strata-tiny", **kw)
+    drids = pd.handoff(pre, dec, prompts, sp)
+    while dec.has_unfinished():
+        dec.step()
+        dec.check_integrity()
+    numerics.assert_same_outputs([dec.pop_finished(r) for r in drids], want, dec.model_config, "handed off")
+    again = dec.generate(prompts, numerics.with_logits(sp))
+    assert [o.cached_tokens for o in again] == [dec.geometry.cacheable_tokens(len(p)) for p in prompts]
+    numerics.assert_same_outputs(again, want, dec.model_config, "repeated on the decode side")
+    dec.check_integrity()

@@ -45,9 +45,9 @@ def _serving(router: Router):
     """The actor's locked ``route`` in miniature: the clock read, the core under a lock."""
     lock = threading.Lock()
 
-    def route(keys, prompt_len, avoid):
+    def route(keys, prompt_len, avoid, local):
         with lock:
-            return router.route(keys, prompt_len, time.monotonic(), avoid)
+            return router.route(keys, prompt_len, time.monotonic(), avoid, local)
     return route
 
 
@@ -102,7 +102,7 @@ def test_no_worker_comes_back_as_itself_and_other_errors_name_the_router():
     router.report("c0", "colocated", {}, True, now=time.monotonic())
     calls = []
 
-    def route(keys, prompt_len, avoid):
+    def route(keys, prompt_len, avoid, local):
         calls.append(prompt_len)
         if prompt_len < 0:
             raise KeyError("bad")
@@ -129,15 +129,16 @@ def test_no_worker_comes_back_as_itself_and_other_errors_name_the_router():
 def test_a_request_that_does_not_decode_is_answered_as_a_value_error():
     rid, err = decode_reply(answer(lambda *a: None, b"\x93\x07\xa1x\x01"), "r")   # [7, "x", 1]
     assert rid == 7 and isinstance(err, RouterError) and "ValueError" in str(err)
-    rid, r = decode_reply(answer(lambda k, n, a: Route("p", "d", len(k), {"L1": n}), encode_request(3, [1, 2], 9, [])),
-                          "r")
+    rid, r = decode_reply(answer(lambda k, n, a, loc: Route("p", "d", len(k), {"L1": n}),
+                                 encode_request(3, [1, 2], 9, [])), "r")
     assert rid == 3 and r == Route("p", "d", 2, {"L1": 9})
 
 
 def _serve_slowly(endpoint_out) -> None:
     """A router process whose routes and reports take 60 s (killed by the test before any answers)."""
     router = _router({"c0": "colocated"})
-    server = RouteServer(HOST, lambda keys, n, avoid: (time.sleep(60), router.route(keys, n, time.monotonic(), avoid))[1],
+    server = RouteServer(HOST, lambda keys, n, avoid, local: (time.sleep(60),
+                                                              router.route(keys, n, time.monotonic(), avoid))[1],
                          lambda *a: (time.sleep(60), ReportReply())[1])
     endpoint_out.put(server.endpoint)
     time.sleep(120)

@@ -83,15 +83,16 @@ def _holders(idx: PrefixIndex, full: bool, key) -> dict[str, set[str]]:
             for h, s in idx._slots.items() if v >> (3 * s) & 7}
 
 
-def _ref_overlap(idx: PrefixIndex, keys, worker, window_pages):
-    """The rule of the module doc, page by page (the index's walk before it was made C-level): the oracle."""
+def _ref_overlap(idx: PrefixIndex, keys, worker, window_pages, shared_l3=True):
+    """The rule of the module doc, page by page (the index's walk before it was made C-level): the oracle.
+    ``shared_l3`` False: the worker's own pages alone (``own_overlap``)."""
     def top(holders):
         if not holders:
             return None
         mine = holders.get(worker) or ()
         if mine:
             return min(mine, key={"L1": 0, "L2": 1, "L3": 2}.__getitem__)
-        return "L3" if "L3" in holders.get(L3_WORKER, ()) else None
+        return "L3" if shared_l3 and "L3" in holders.get(L3_WORKER, ()) else None
     best, at_best, seen, run_start = 0, {"L1": 0, "L2": 0, "L3": 0}, {"L1": 0, "L2": 0, "L3": 0}, None
     for i, k in enumerate(keys):
         t = top(_holders(idx, True, k))
@@ -143,6 +144,8 @@ def test_overlap_matches_the_page_by_page_rule_on_random_indexes(compiled, monke
             for worker in workers + ["never_seen"]:
                 pages, tiers = _ref_overlap(idx, BLOCKS[:n], worker, w)
                 assert (got[worker].pages, got[worker].by_tier) == (pages, tiers), (trial, worker, w)
+                own = idx.own_overlap(BLOCKS[:n], worker, w)
+                assert (own.pages, own.by_tier) == _ref_overlap(idx, BLOCKS[:n], worker, w, False), (trial, worker, w)
             # route: the lowest cost (the first on a tie), from the same overlaps
             loads = {x: {"queued_tokens": rng.choice((0, 4, 8)), "running": rng.randrange(2)} for x in workers}
             geom = KVGeometry(page_size=4, window=4 * w + 1) if w else KVGeometry(page_size=4)
