@@ -95,6 +95,82 @@ def test_dead_writers_temp_files_are_removed_on_start(tmp_path):
     assert not dead.exists() and live.exists()
 
 
+
+def _age_directories(root, seconds: float = 10.0) -> None:
+    """Set the fan-out directories' mtimes ``seconds`` back: past RACY_NS, so a rescan may keep their
+    listings (a directory changed just now is listed again whatever its mtime)."""
+    old = time.time_ns() - int(seconds * 1e9)
+    for d in (root / "v1").iterdir():
+        os.utime(d, ns=(d.stat().st_atime_ns, old))
+
+
+@pytest.fixture
+def listings(monkeypatch):
+    """The directories each rescan lists (storage.l3.file._list calls), in order."""
+    import storage.l3.file as file_mod
+    seen: list[str] = []
+    real = file_mod._list
+
+    def counted(sub, now):
+        seen.append(os.path.basename(sub))
+        return real(sub, now)
+    monkeypatch.setattr(file_mod, "_list", counted)
+    return seen
+
+
+def test_a_rescan_lists_only_the_directories_where_files_came_or_went(dir_backend, tmp_path, keys, listings):
+    """The StorageActor's pass every second over an idle store: 256 stats, not one per page. What another
+    process writes or deletes is still counted at the next pass."""
+    owner = _open(dir_backend, tmp_path, capacity_bytes=64 * FILE)
+    other = _open(dir_backend, tmp_path, capacity_bytes=64 * FILE)
+    ks, pages = keys(9), random_pages(9, numel=NUMEL)
+    assert other.batch_set(ks[:8], pages[:8]) == [True] * 8
+    _age_directories(tmp_path)
+    dirs = {p.name for p in (tmp_path / "v1").iterdir() if any(p.iterdir())}
+    listings.clear()
+    owner.refresh()                       # listed once more: they were changed (so possibly racy) at its last rescan
+    assert set(listings) >= dirs and owner.used_bytes() == 8 * FILE
+    listings.clear()
+    for _ in range(3):
+        owner.refresh()
+        assert owner.evict(0.9, 0.8) == []
+    assert listings == [] and owner.used_bytes() == 8 * FILE
+    assert other.batch_set(ks[8:], pages[8:]) == [True]          # a new file: its directory's mtime moves
+    owner.refresh()
+    assert len(listings) == 1 and owner.used_bytes() == 9 * FILE
+    listings.clear()
+    owner.refresh()                       # changed within RACY_NS: listed again, its mtime the same
+    assert len(listings) == 1
+    _age_directories(tmp_path)
+    owner.refresh()                       # the directory written just now is listed again, then kept
+    listings.clear()
+    other.delete(ks[:1])
+    owner.refresh()
+    assert len(listings) == 1 and owner.used_bytes() == 8 * FILE
+    owner.close()
+    other.close()
+
+
+def test_an_eviction_orders_by_hits_its_directories_do_not_show(dir_backend, tmp_path, keys, listings):
+    """A hit bumps its file's mtime, not its directory's: the listing an idle rescan kept says the hit page
+    is the oldest. The pass that evicts lists everything first, so the hit page stays."""
+    owner = _open(dir_backend, tmp_path, capacity_bytes=4 * FILE + 100)
+    other = _open(dir_backend, tmp_path, capacity_bytes=64 * FILE)
+    ks, pages = keys(5), random_pages(5, numel=NUMEL)
+    _fill(other, ks[:4], pages[:4])
+    _age_directories(tmp_path)
+    owner.refresh()
+    owner.refresh()                       # kept: A the least recently used in this listing
+    time.sleep(TICK)
+    assert other.batch_get(ks[:1], [torch.empty_like(pages[0])]) == [True]   # A becomes the most recent
+    time.sleep(TICK)
+    listings.clear()
+    assert owner.evict(0.5, 0.5) != []    # over half of the cap: down to half
+    assert len(listings) == len(list((tmp_path / "v1").iterdir()))   # everything listed
+    assert _present(owner, ks[:4]) == [True, False, False, True]
+    owner.close()
+    other.close()
+
 # ---- several processes -----------------------------------------------------------------------------------
 def _versions(ks_n: int):
     return [random_pages(ks_n, numel=NUMEL, seed=s) for s in (11, 22)]
