@@ -67,6 +67,7 @@ class FileStore(L3Store):
         self._used = 0
         self._scanned_at = 0.0
         self._listed: dict[str, tuple[int, list]] = {}   # directory -> (its mtime_ns when listed, its entries)
+        self._dirs: set[str] = set()                     # the directories the last rescan found
         self._full_at = float("-inf")                    # monotonic time of the last listing of everything
         threads = cfg.io_threads or min(4, os.cpu_count() or 1)   # more threads than cores only add GIL churn
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="l3-file") if threads > 1 else None
@@ -355,8 +356,8 @@ class FileStore(L3Store):
             if now - mtime > RACY_NS:
                 listed[sub] = (mtime, entries)
             out += entries
-        fresh += len(self._listed.keys() - seen)   # directories removed, with their files
-        self._listed = listed
+        fresh += len(self._dirs - seen)   # directories removed, with their files
+        self._listed, self._dirs = listed, seen
         return out, fresh
 
 

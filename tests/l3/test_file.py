@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import time
 
 import pytest
@@ -149,6 +150,19 @@ def test_a_rescan_lists_only_the_directories_where_files_came_or_went(dir_backen
     assert len(listings) == 1 and owner.used_bytes() == 8 * FILE
     owner.close()
     other.close()
+
+
+def test_a_rescan_counts_directories_that_went_away(dir_backend, tmp_path, keys):
+    """Pages gone with their directory (the store removed by hand) are not counted on, even where the
+    directory was changed so recently that its listing was not kept."""
+    s = _open(dir_backend, tmp_path, capacity_bytes=64 * FILE)
+    assert s.batch_set(keys(1), random_pages(1, numel=NUMEL)) == [True]
+    s.refresh()
+    assert s.used_bytes() == FILE
+    shutil.rmtree(tmp_path / "v1")
+    s.refresh()
+    assert s.used_bytes() == 0
+    s.close()
 
 
 def test_an_eviction_orders_by_hits_its_directories_do_not_show(dir_backend, tmp_path, keys, listings):
