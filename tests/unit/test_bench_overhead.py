@@ -1,5 +1,6 @@
 """bench/overhead.py's pure parts: process kinds, py-spy stack summaries, percentiles, the report, and the
-load generator's slow-reader stream parsing (against a tiny local server; no Ray)."""
+load generator's slow-reader stream parsing (against a tiny local server; no Ray), the timeline's in-process
+comparison."""
 import asyncio
 import json
 
@@ -170,3 +171,14 @@ def test_timeline_hooks_wrap_their_functions_and_write_marks(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     written = [p.read_text() for p in tmp_path.glob("*.txt")]
     assert len(written) == 1 and "ingress: items received " in written[0]
+
+
+def test_timeline_pauses_serve_the_request_both_ways():
+    """The in-process comparison of --timeline: the engine alone and the single-process server's HTTP app
+    (called as ASGI, which raises unless it answers 200) answer the same request at every pause."""
+    from bench.overhead_timeline import PAUSES_MS, pauses
+    rows = pauses(2)
+    assert [r["pause_ms"] for r in rows] == list(PAUSES_MS)
+    for r in rows:
+        assert r["ttft_p50_ms"] > 0 and r["app_ttft_p50_ms"] > 0
+        assert r["app_minus_engine_ms"] == pytest.approx(r["app_ttft_p50_ms"] - r["ttft_p50_ms"], abs=2e-3)
