@@ -15,7 +15,10 @@ Ray cluster (own STRATA_HOME, free port); its processes' CPU times come from /pr
 (utime+stime) of every descendant before and after each phase, named by their Ray process titles
 (ray::ProxyActor, ray::ServeReplica:...:ingress, ray::PrefixRouterActor, ray::WorkerActor, ...).
 Short requests over HTTP run closed-loop, 16 in flight; the engine runs them as 4 waves of 16 (and one
-batch of 64). Writes bench/results/overhead.json (``--profile``: overhead_profile.json).
+batch of 64). When the run has the engine row, the engine alone is measured again right after each config
+(its server stopped), and the config is shown against that too: on a shared VM the machine's speed moves by
+half within minutes, which one engine row at the start cannot show. Writes bench/results/overhead.json
+(``--profile``: overhead_profile.json).
 
 Findings before #37 [fastpath] (Serve's Python proxy in front, one Ray streamed object per token; 2 cores
 shared with other jobs, so timings are noisy; profile in overhead_profile.json, taken then):
@@ -617,6 +620,15 @@ def hops(n: int, name: str = "colocated", switch_interval: float | None = None) 
             srv.stop()
 
 
+def engine_again(reps: dict) -> dict:
+    """The engine alone again, in the minute right after a config's phases (its server stopped): the engine
+    row's cached TTFT, 64-token request and short waves. The ratios stay against the engine row, as the
+    issue defines them; this one shows whether the machine's speed moved since it was measured (on a shared
+    VM it moves by half within minutes), beside each config."""
+    e = engine_rows(reps)
+    return {k: e[k] for k in ("ttft_cached", "long64", "short")}
+
+
 # ---- the report ----------------------------------------------------------------------------------------
 def _cell(name: str, res: dict, key: str, eng: dict | None) -> str:
     r = res.get(name)
@@ -646,6 +658,12 @@ def _cell(name: str, res: dict, key: str, eng: dict | None) -> str:
     return "-"
 
 
+def _against(r: dict, e: dict) -> str:
+    """A config's cached TTFT over the engine's, and its 64-token and short ratios, against engine rows ``e``."""
+    return (f"+{r['ttft_cached']['p50'] - e['ttft_cached']['p50']:.1f}, "
+            f"{r['long64']['p50'] / e['long64']['p50']:.2f}x, {r['short']['req_s'] / e['short']['req_s']:.2f}x")
+
+
 def report(res: dict) -> str:
     names = [n for n in ("engine", *CONFIGS) if n in res]
     eng = res.get("engine")
@@ -659,6 +677,13 @@ def report(res: dict) -> str:
     out = [{"what": label, **{n: _cell(n, res, key, eng) for n in names}} for label, key in rows]
     if eng:
         out.append({"what": "engine: the 64 short as one batch: req/s", "engine": f"{eng['short_batch64']['req_s']:.0f}"})
+        again = {n: res[n]["engine_after"] for n in names[1:] if "engine_after" in res[n]}
+        if again:
+            out.append({"what": "the engine again right after: TTFT ms, 64 new s, short", **{
+                n: f"{a['ttft_cached']['p50']:.1f}, {a['long64']['p50']:.3f}, {a['short']['req_s']:.0f}"
+                for n, a in again.items()}})
+            out.append({"what": "  against it: TTFT +ms, 64 new x, short x",
+                        **{n: _against(res[n], a) for n, a in again.items()}})
     text = table(out, ["what"] + names)
     cpu_rows = []
     for n in names[1:] if eng else names:
@@ -737,6 +762,8 @@ def main(argv: list[str] | None = None) -> int:
         t = time.monotonic()
         try:
             res[name] = engine_rows(reps) if name == "engine" else http_rows(name, reps, args.http)
+            if name != "engine" and "engine" in res:
+                res[name]["engine_after"] = engine_again(reps)
         except Exception as e:  # noqa: BLE001 - the other configs' rows still count
             print(f"[{name}: failed: {e!r}"[:2000] + "]", file=sys.stderr, flush=True)
             continue

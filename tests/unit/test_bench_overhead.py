@@ -53,6 +53,11 @@ def test_report_has_every_row():
            "slow_reader": {"alone": d, "beside_reader": d, "beside_slow_reader": d, "slow": []}}
     text = report({"engine": eng, "colocated": srv})
     assert "2.00x" in text and "0.50x" in text and "1/3->1/3->1/3" in text and "idle (ms/s)" in text
+    assert "the engine again" not in text
+    # The engine measured again right after the config: the config against it too (the machine's speed moves).
+    srv["engine_after"] = {"ttft_cached": {"p50": 0.5}, "long64": {"p50": 0.16}, "short": {"req_s": 125.0}}
+    text = report({"engine": eng, "colocated": srv})
+    assert "2.00x" in text and "0.5, 0.160, 125" in text and "+0.5, 1.25x, 0.40x" in text
 
 
 def test_slow_reader_stream_is_parsed_through_chunked_encoding():
