@@ -660,7 +660,7 @@ def _cell(name: str, res: dict, key: str, eng: dict | None) -> str:
 
 def _against(r: dict, e: dict) -> str:
     """A config's cached TTFT over the engine's, and its 64-token and short ratios, against engine rows ``e``."""
-    return (f"+{r['ttft_cached']['p50'] - e['ttft_cached']['p50']:.1f}, "
+    return (f"{r['ttft_cached']['p50'] - e['ttft_cached']['p50']:+.1f}, "
             f"{r['long64']['p50'] / e['long64']['p50']:.2f}x, {r['short']['req_s'] / e['short']['req_s']:.2f}x")
 
 
