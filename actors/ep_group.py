@@ -19,6 +19,7 @@ from typing import NamedTuple
 import ray
 import torch
 
+from actors.startup_heap import freeze_startup_heap
 from engine.config import EngineConfig
 from engine.sampling import SamplingParams
 
@@ -55,6 +56,7 @@ class EPRankActor:
 
     def join(self, port: int, timeout_s: float = 120.0) -> int:
         self.ep = join_group(self.cfg, self.rank, self.world, port, self._store, timeout_s)
+        freeze_startup_heap()   # this rank's engine is built: its startup is over
         return self.rank
 
     def set_peers(self, peers: list) -> None:

@@ -28,6 +28,7 @@ import ray
 from actors.prefix_router import ReportReply, Route, Router
 from actors.route_channel import RouteServer
 from actors.routing import L3_WORKER, Overlap, RouterConfig
+from actors.startup_heap import freeze_startup_heap
 from storage.geometry import KVGeometry
 from storage.kv_events.publisher import KVEventsEndpoint, StreamPosition
 from storage.kv_events.subscriber import KVEventSubscriber
@@ -65,6 +66,7 @@ class PrefixRouterActor:
         except Exception as e:  # noqa: BLE001 - routes and reports still go over Ray: slower, not wrong
             log.warning("no route channel (routes and reports go over Ray only): %s", e)
             self.channel = None
+        freeze_startup_heap()
 
     def route_endpoint(self) -> str | None:
         """Where the route channel listens (None: it could not bind; ask ``route`` over Ray)."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import ray
 
+from actors.startup_heap import freeze_startup_heap
 from storage.kv_events import (KVEventPublisher, KVEventsConfig, KVEventsEndpoint, StreamPosition, TreeEventStream,
                                WireMapping, l3_medium)
 from storage.l3 import STAT_KEYS, L3Config
@@ -208,6 +209,7 @@ class StorageActor:
         if self.router is not None and self.kv_events is not None:
             self.router.kv_events_endpoint.remote("L3", self.kv_events.stream.endpoint)
         threading.Thread(target=self._loop, name="strata-storage", daemon=True).start()
+        freeze_startup_heap()
 
     @staticmethod
     def _kv_events(l3: L3Config, cfg: KVEventsConfig | None, l3_model: str | None, served_name: str | None,

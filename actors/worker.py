@@ -29,6 +29,7 @@ from actors.cpu_binding import bind_worker
 from actors.ep_host import EPHost
 from actors.handoff import PeerFailed, Reservation, prefill_reserving
 from actors.route_channel import ChannelDown, ReportClient
+from actors.startup_heap import freeze_startup_heap
 from actors.token_channel import (ChannelClient, ChannelLost, ChannelServer, Handoff, Leased, LeasedSender, Reserve,
                                   Route, StaleChannel)
 from engine import Engine, EngineConfig, SamplingParams
@@ -132,6 +133,7 @@ class WorkerActor:
         if storage is not None and l3 is not None and hasattr(l3.store, "prefer_segment"):
             threading.Thread(target=self._l3_segment_loop, args=(storage, l3.store, l3_refresh_s),
                              name="strata-l3-segment", daemon=True).start()
+        freeze_startup_heap()
 
     def __ray_shutdown__(self) -> None:
         """A graceful exit (Ray calls this): stop the threads, close the sockets, give up the seat."""

@@ -625,6 +625,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeline", action="store_true",
                     help="one request's marks across the ingress and the worker (colocated), and the engine's "
                          "TTFT after pauses (bench/overhead_timeline.py)")
+    ap.add_argument("--gc", action="store_true",
+                    help="one full GC collection's ms in each server process, its startup heap frozen and not "
+                         "(bench/overhead_gc.py; --configs: one config, 1p1d by default)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="--hops: set the server processes' GIL switch interval (s) through the bench's hook")
     ap.add_argument("--profile-rate", type=int, default=100)
@@ -643,6 +646,9 @@ def main(argv: list[str] | None = None) -> int:
         from bench.overhead_timeline import run_timeline   # one request's marks (bench/overhead_timeline.py)
         name = args.configs if args.configs in ("colocated", "colocated-l1") else "colocated"
         return run_timeline(name, 60 if args.quick else 200)
+    if args.gc:
+        from bench.overhead_gc import run_gc   # full collections, frozen and not (bench/overhead_gc.py)
+        return run_gc(args.configs if args.configs in CONFIGS else "1p1d")
     if args.profile:
         from bench.overhead_profile import run_profile   # py-spy and Ray call counts (bench/overhead_profile.py)
         name = args.configs if args.configs in CONFIGS else "colocated"

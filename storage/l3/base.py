@@ -22,6 +22,7 @@ object reads as a miss and is counted in ``stats()["corrupt"]``.
 from __future__ import annotations
 
 import abc
+import functools
 import hashlib
 import logging
 import socket
@@ -81,15 +82,28 @@ def l3_key(model_id: str, component: str, page_key: bytes) -> str:
     """The store key of one page. ``model_id`` must name everything that changes a page's bytes (model,
     dtype, page size, L2 layout, tensor-parallel rank...), ``component`` the KV component ("full",
     "swa"). Both are percent-escaped so "a/b"+"c" and "a"+"b/c" stay distinct keys."""
-    for name, v in (("model_id", model_id), ("component", component)):
-        if not isinstance(v, str) or not v:
-            raise ValueError(f"{name} must be a non-empty str, got {v!r}")
     if not isinstance(page_key, (bytes, bytearray)) or not page_key:
         raise ValueError(f"page_key must be non-empty bytes, got {page_key!r}")
-    key = f"{KEY_PREFIX}{quote(model_id, safe='')}/{quote(component, safe='')}/{bytes(page_key).hex()}"
+    key = _key_head(model_id, component) if type(model_id) is str and type(component) is str \
+        else _check_names(model_id, component)
+    key += page_key.hex()
     if len(key) > MAX_KEY_CHARS:
         raise ValueError(f"model_id/component too long: key of {len(key)} chars > {MAX_KEY_CHARS}")
     return key
+
+
+@functools.lru_cache(maxsize=64)
+def _key_head(model_id: str, component: str) -> str:
+    """``strata/<model_id>/<component>/``, escaped: the same for every page of a write-through batch, and
+    the two ``quote`` calls were ~4 of a key's ~4.2 us (on the engine thread: ~4 keys per short prompt)."""
+    return _check_names(model_id, component)
+
+
+def _check_names(model_id, component) -> str:
+    for name, v in (("model_id", model_id), ("component", component)):
+        if not isinstance(v, str) or not v:
+            raise ValueError(f"{name} must be a non-empty str, got {v!r}")
+    return f"{KEY_PREFIX}{quote(model_id, safe='')}/{quote(component, safe='')}/"
 
 
 def key_digest(key: str) -> bytes:

@@ -174,3 +174,20 @@ def test_a_request_that_comes_while_the_first_fetches_the_routers_config_waits_f
     finally:
         fresh.close_channels()
     assert [sum(len(i.token_ids) for i in items) for items in got] == [4, 4]
+
+
+
+def test_the_worker_and_the_router_froze_their_startup_heap(setup):
+    """actors/startup_heap.py: what the worker and the router allocated while starting (torch, Ray, the
+    model, the engine) is out of the cyclic GC's walks, after serving too: a full collection walks only
+    what came since (``gc.get_objects``: the tracked objects outside the frozen generation), a small part."""
+    b, router = setup
+    asyncio.run(_requests(b, 2, []))
+
+    def heap(_actor):
+        import gc
+        gc.collect()
+        return gc.get_freeze_count(), len(gc.get_objects())
+    for name, h in (("worker", b.workers["w0"]), ("router", router)):
+        frozen, walked = ray.get(h.__ray_call__.remote(heap), timeout=60)
+        assert frozen > 50_000 and walked < frozen / 4, (name, frozen, walked)

@@ -1,6 +1,6 @@
 """bench/overhead.py's pure parts: process kinds, py-spy stack summaries, percentiles, the report, and the
 load generator's slow-reader stream parsing (against a tiny local server; no Ray), the timeline's in-process
-comparison."""
+comparison, the GC probe."""
 import asyncio
 import json
 
@@ -187,3 +187,22 @@ def test_timeline_pauses_serve_the_request_both_ways():
     for r in rows:
         assert r["ttft_p50_ms"] > 0 and r["app_ttft_p50_ms"] > 0
         assert r["app_minus_engine_ms"] == pytest.approx(r["app_ttft_p50_ms"] - r["ttft_p50_ms"], abs=2e-3)
+
+
+def test_gc_probe_times_a_full_collection_frozen_and_not():
+    """bench/overhead_gc.py's probe, in this process: the frozen heap is let back in for the second figure
+    and frozen again, as the probe found it."""
+    import gc
+    from bench.overhead_gc import heap_probe
+    if not gc.get_freeze_count():   # nothing frozen: no second figure
+        assert set(heap_probe()) == {"frozen", "walked", "full_collection_ms"}
+    gc.collect()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        p = heap_probe()
+        assert p["frozen"] == frozen > 0 and p["walked"] < p["walked_unfrozen"]
+        assert p["full_collection_ms"] >= 0 and p["full_collection_ms_unfrozen"] > 0
+        assert gc.get_freeze_count() >= frozen
+    finally:
+        gc.unfreeze()

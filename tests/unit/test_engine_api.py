@@ -50,6 +50,8 @@ def test_stop_token_ids_and_eos(eng):
     ([1, 2, 264], None, "prompt"),
     ([1, -1], None, "prompt"),
     ([1, 2.5], None, "prompt"),
+    ([1, True], None, "prompt"),                       # a bool is not a token id, though an int subclass
+    ([1, None], None, "prompt"),
     ([1] * 2000, None, "prompt"),                      # beyond the pool: 64 pages of 16
     ([1] * 9000, None, "prompt"),                      # beyond the context of 8192
     ([1], SamplingParams(max_new_tokens=5000), "prompt"),
@@ -58,6 +60,18 @@ def test_bad_requests_raise_value_error_naming_the_field(eng, prompt, params, fi
     with pytest.raises(ValueError, match=field):
         eng.generate([prompt], params)
     assert eng.requests == {} and eng.pools.all_free()
+
+
+def test_prompt_ids_of_any_integer_kind_are_the_same_prompt(eng):
+    """Plain ints take a fast path (engine.encode); integral floats, numpy ints and a tensor are read as
+    before; the caller's list is never the request's."""
+    import numpy as np
+    import torch
+    ids = [5, 6, 7, 8]
+    assert eng.encode(ids) == ids and eng.encode(ids) is not ids
+    for same in ([5.0, 6, 7, 8], [np.int64(t) for t in ids], np.array(ids).tolist(), torch.tensor(ids)):
+        got = eng.encode(same)
+        assert got == ids and all(type(t) is int for t in got)
 
 
 @pytest.mark.parametrize("kwargs, field", [
