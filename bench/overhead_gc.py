@@ -16,8 +16,8 @@ from bench.overhead import LONG, ROOT, SHORT, SHORT_NEW, Server, prompts
 
 def heap_probe(_actor=None) -> dict:
     """In the process it runs in (an actor's, through ``__ray_call__``): the objects frozen, the objects a
-    full collection walks, and its ms (best of 3); then the same with the frozen heap let back in, and the
-    heap frozen again as it was found (everything tracked by then: the server is stopped after)."""
+    full collection walks, and its ms (best of 3); then the same with the frozen heap let back in. It is
+    frozen again after, with everything tracked by then (the server is stopped after the probe)."""
     import gc
 
     def collect_ms() -> float:
@@ -75,4 +75,3 @@ def gc_rows(name: str) -> list[dict]:
             ray.shutdown()
         finally:
             srv.stop()
-

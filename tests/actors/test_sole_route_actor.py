@@ -176,7 +176,6 @@ def test_a_request_that_comes_while_the_first_fetches_the_routers_config_waits_f
     assert [sum(len(i.token_ids) for i in items) for items in got] == [4, 4]
 
 
-
 def test_the_worker_and_the_router_froze_their_startup_heap(setup):
     """actors/startup_heap.py: what the worker and the router allocated while starting (torch, Ray, the
     model, the engine) is out of the cyclic GC's walks, after serving too: a full collection walks only
