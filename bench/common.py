@@ -24,6 +24,15 @@ def write_json(name: str, payload: dict) -> Path:
     return path
 
 
+def merge_json(name: str, key: str, value: dict) -> Path:
+    """``value`` under ``key`` in results/<name>.json, every other key of it kept (runs of one bench under
+    their own labels, in one file)."""
+    path = RESULTS / f"{name}.json"
+    prior = {k: v for k, v in json.loads(path.read_text()).items() if k != "machine"} if path.exists() else {}
+    prior[key] = value
+    return write_json(name, prior)
+
+
 def table(rows: list[dict], cols: list[str]) -> str:
     w = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols}
     line = "  ".join(c.ljust(w[c]) for c in cols)

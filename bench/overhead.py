@@ -142,7 +142,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import table, write_json
+from bench.common import merge_json, table
 from bench.overhead_client import HTTP_CLIENTS
 from tests.util import free_port
 
@@ -669,13 +669,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{name}: {time.monotonic() - t:.0f}s]", file=sys.stderr, flush=True)
     print(report(res))
     print(f"\n(all in {time.monotonic() - t0:.0f}s; load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus)")
-    path = ROOT / "bench" / "results" / "overhead.json"
-    prior = {}
-    if path.exists():
-        prior = {k: v for k, v in json.loads(path.read_text()).items() if k != "machine"}
-    prior[label] = {"cpus": os.cpu_count(), "load_avg_after": os.getloadavg(), "reps": reps, "http_client": args.http,
-                    "engine_settings": ENGINE, "results": res, "table": report(res).splitlines()}
-    write_json("overhead", prior)
+    path = merge_json("overhead", label, {
+        "cpus": os.cpu_count(), "load_avg_after": os.getloadavg(), "reps": reps, "http_client": args.http,
+        "engine_settings": ENGINE, "results": res, "table": report(res).splitlines()})
     print(f"wrote {path}")
     return 0
 

@@ -6,12 +6,11 @@ streams, or the router's routes, stop while it runs. Merged into bench/results/o
 ``gc_<config>``."""
 from __future__ import annotations
 
-import json
 import os
 import time
 
-from bench.common import table, write_json
-from bench.overhead import LONG, ROOT, SHORT, SHORT_NEW, Server, prompts
+from bench.common import merge_json, table
+from bench.overhead import LONG, SHORT, SHORT_NEW, Server, prompts
 
 
 def heap_probe(_actor=None) -> dict:
@@ -39,10 +38,7 @@ def run_gc(name: str) -> int:
     rows = gc_rows(name)
     print(table(rows, ["process", "frozen", "walked", "full_collection_ms", "walked_unfrozen",
                        "full_collection_ms_unfrozen"]))
-    path = ROOT / "bench" / "results" / "overhead.json"
-    prior = {k: v for k, v in json.loads(path.read_text()).items() if k != "machine"} if path.exists() else {}
-    prior[f"gc_{name}"] = {"load_avg_after": os.getloadavg(), "rows": rows}
-    write_json("overhead", prior)
+    path = merge_json("overhead", f"gc_{name}", {"load_avg_after": os.getloadavg(), "rows": rows})
     print(f"wrote {path}")
     return 0
 

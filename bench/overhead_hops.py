@@ -4,12 +4,11 @@ route channel, the worker's stream alone, the token channel, and HTTP), beside t
 differences name what each layer adds. Merged into bench/results/overhead.json as ``hops_<config>``."""
 from __future__ import annotations
 
-import json
 import os
 import time
 
-from bench.common import table, write_json
-from bench.overhead import LONG, REPS, ROOT, Server, dist, engine_rows, prompts
+from bench.common import merge_json, table
+from bench.overhead import LONG, REPS, Server, dist, engine_rows, prompts
 
 
 def run_hops(name: str, n: int, switch_interval: float | None = None) -> int:
@@ -21,11 +20,8 @@ def run_hops(name: str, n: int, switch_interval: float | None = None) -> int:
               "p90": eng["ttft_cached"]["p90"], "unit": "ms"},
              {"hop": "engine alone, 64 new", "p50": eng["long64"]["p50"], "p90": eng["long64"]["p90"], "unit": "s"}]
     print(table(rows, ["hop", "p50", "p90", "unit"]))
-    path = ROOT / "bench" / "results" / "overhead.json"
-    prior = {k: v for k, v in json.loads(path.read_text()).items() if k != "machine"} if path.exists() else {}
     key = f"hops_{name}" + (f"_switch_{switch_interval:g}" if switch_interval else "")
-    prior[key] = {"load_avg_after": os.getloadavg(), "rows": rows}
-    write_json("overhead", prior)
+    path = merge_json("overhead", key, {"load_avg_after": os.getloadavg(), "rows": rows})
     print(f"wrote {path}")
     return 0
 

@@ -13,8 +13,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import write_json
-from bench.overhead import ROOT, SHORT, SHORT_NEW, STREAM_NEW, CpuMeter, Server, prompts
+from bench.common import merge_json
+from bench.overhead import SHORT, SHORT_NEW, STREAM_NEW, CpuMeter, Server, prompts
 
 
 def run_profile(name: str, seconds: float, rate: int, native: bool) -> int:
@@ -25,10 +25,7 @@ def run_profile(name: str, seconds: float, rate: int, native: bool) -> int:
         print(f"\n{k}: {s['samples']} samples, {s['waiting_pct']}% waiting\n  buckets: {s['buckets_pct_of_busy']}"
               f"\n  threads: {s['threads_pct_of_busy']}\n  top leaves:\n    "
               + "\n    ".join(f"{v:5.1f}% {f[:150]}" for f, v in s["top_leaves_pct_of_busy"].items()))
-    path = ROOT / "bench" / "results" / "overhead_profile.json"
-    prior = {k: v for k, v in json.loads(path.read_text()).items() if k != "machine"} if path.exists() else {}
-    prior[name] = {"cpus": os.cpu_count(), **p}
-    write_json("overhead_profile", prior)
+    path = merge_json("overhead_profile", name, {"cpus": os.cpu_count(), **p})
     print(f"wrote {path}")
     return 0
 

@@ -22,8 +22,8 @@ import statistics
 import tempfile
 import time
 
-from bench.common import table, write_json
-from bench.overhead import ENGINE, LONG, ROOT, Server, prompts
+from bench.common import merge_json, table
+from bench.overhead import ENGINE, LONG, Server, prompts
 
 PAUSES_MS = (0.0, 2.0, 5.0, 20.0)
 BLOCK = 10
@@ -37,10 +37,7 @@ def run_timeline(name: str, n: int) -> int:
     print(table(tl["rows"], ["mark", "n", "at_p50_ms", "step_ms", "at_p90_ms"]))
     print("\nthe same request after a pause, in this process: the engine alone, and the HTTP app over it (no socket):")
     print(table(after, ["pause_ms", "ttft_p50_ms", "cpu_p50_ms", "app_ttft_p50_ms", "app_minus_engine_ms"]))
-    path = ROOT / "bench" / "results" / "overhead.json"
-    prior = {k: v for k, v in json.loads(path.read_text()).items() if k != "machine"} if path.exists() else {}
-    prior[f"timeline_{name}"] = {"load_avg_after": os.getloadavg(), **tl, "after_pause": after}
-    write_json("overhead", prior)
+    path = merge_json("overhead", f"timeline_{name}", {"load_avg_after": os.getloadavg(), **tl, "after_pause": after})
     print(f"wrote {path}")
     return 0
 
