@@ -190,8 +190,8 @@ def test_timeline_pauses_serve_the_request_both_ways():
 
 
 def test_gc_probe_times_a_full_collection_frozen_and_not():
-    """bench/overhead_gc.py's probe, in this process: the frozen heap is let back in for the second figure
-    and frozen again, as the probe found it."""
+    """bench/overhead_gc.py's probe, in this process: the frozen heap is let back in for the second figure,
+    and the heap is frozen again after it."""
     import gc
     from bench.overhead_gc import heap_probe
     if not gc.get_freeze_count():   # nothing frozen: no second figure
@@ -203,6 +203,8 @@ def test_gc_probe_times_a_full_collection_frozen_and_not():
         p = heap_probe()
         assert p["frozen"] == frozen > 0 and p["walked"] < p["walked_unfrozen"]
         assert p["full_collection_ms"] >= 0 and p["full_collection_ms_unfrozen"] > 0
-        assert gc.get_freeze_count() >= frozen
+        # Frozen again: what is still tracked outside the frozen generation is only what came since. (Not a
+        # count of at least ``frozen``: the probe's collection may free frozen objects that became garbage.)
+        assert gc.get_freeze_count() > 0 and len(gc.get_objects()) < p["walked_unfrozen"] / 2
     finally:
         gc.unfreeze()
