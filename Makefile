@@ -17,7 +17,7 @@ sysdeps:
 			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PKGS) >/dev/null; \
 		else echo "note: Mooncake (L3 backend) needs: apt-get install $(APT_PKGS)"; fi; fi
 
-$(STAMP): pyproject.toml setup.py storage/_tokens.c storage/_hashing.c actors/_routing.c
+$(STAMP): pyproject.toml setup.py storage/_tokens.c storage/_hashing.c storage/l3/_fileio.c actors/_routing.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.

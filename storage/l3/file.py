@@ -36,6 +36,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+try:   # the batch system calls, compiled by the install (storage/l3/_fileio.c); else Python makes them
+    from storage.l3 import _fileio
+except ImportError:   # pragma: no cover - exercised only without a C compiler
+    _fileio = None
 from storage.l3.base import HEADER_BYTES, L3Store, encode_header, key_digest, log, page_bytes
 
 LOW_WATER = 0.9            # an eviction pass frees down to this fraction of the cap (amortizes the scan)
@@ -70,12 +74,14 @@ class FileStore(L3Store):
         self._dirs: set[str] = set()                     # the directories the last rescan found
         self._full_at = float("-inf")                    # monotonic time of the last listing of everything
         threads = cfg.io_threads or min(4, os.cpu_count() or 1)   # more threads than cores only add GIL churn
+        self._threads = threads
+        self._fileio = _fileio   # the compiled batch system calls (None: Python makes them, one by one)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="l3-file") if threads > 1 else None
         self._rescan()
 
     # ---- names ---------------------------------------------------------------------------------------
     def _path(self, name: str) -> str:
-        return os.path.join(self._objdir, name[:2], name[2:])
+        return f"{self._objdir}/{name[:2]}/{name[2:]}"
 
     def _map(self, fn, idx: list[int], page_nbytes: int) -> list:
         if self._pool is None or len(idx) < 2 or len(idx) * page_nbytes < POOL_MIN_BYTES:
@@ -148,27 +154,63 @@ class FileStore(L3Store):
         # the decode worker inserts the same prompt). Only its access time is bumped, for the LRU: a stat
         # and a utime instead of creating, writing and renaming a file. A corrupt one fails its checksum
         # when read, is dropped there, and the next set writes it again.
-        ok = [_present(self._path(name), size) for name in names]
-        missing = {names[i] for i in range(n) if not ok[i]}
-        if missing and not self._make_room(size * len(missing)):
+        paths = [self._path(name) for name in names]
+        ok = _present_many(paths, size, self._fileio)
+        idx = [i for i in range(n) if not ok[i]]
+        if idx and not self._make_room(size * len(idx)):
             return [False] * n
-        headers = np.zeros((n, HEADER_BYTES), np.uint8)
-        for i in range(n):
-            if not ok[i]:
-                headers[i] = np.frombuffer(encode_header(bytes.fromhex(names[i]), pages[i]), np.uint8)
+        headers = {i: encode_header(bytes.fromhex(names[i]), pages[i]) for i in idx}
+        if idx:
+            for i, done in zip(idx, self._write_new(names, paths, headers, pages, idx)):
+                ok[i] = done
+        with self._lock:
+            for i in range(n):
+                if ok[i]:
+                    self._note(names[i], size)
+        return ok
+
+    def _write_new(self, names: list[str], paths: list[str], headers: dict[int, bytes],
+                   pages: list[torch.Tensor], idx: list[int]) -> list[bool]:
+        """Publish objects ``idx`` (a temp file each, header then page, renamed onto its path): whether
+        each is in place. Through the compiled helper, one GIL hand-over per batch (or per I/O thread's
+        share of it), unless a subclass does its own raw I/O."""
+        fio = self._fileio
+        if fio is None or type(self)._io_write is not FileStore._io_write:
+            rows = np.zeros((len(names), HEADER_BYTES), np.uint8)
+            for i in idx:
+                rows[i] = np.frombuffer(headers[i], np.uint8)
+            return self._write_new_py(names, rows, pages, idx)
+        items = [(os.fsencode(self._temp_path(names[i])), os.fsencode(paths[i]), headers[i], page_bytes(pages[i]))
+                 for i in idx]
+        if self._pool is None or len(items) < 2 or len(items) * pages[0].nbytes < POOL_MIN_BYTES:
+            errs = fio.write_new(items, self.cfg.fsync)
+        else:
+            k = -(-len(items) // self._threads)
+            parts = [items[j:j + k] for j in range(0, len(items), k)]
+            errs = [e for part in self._pool.map(lambda it: fio.write_new(it, self.cfg.fsync), parts)
+                    for e in part]
+        for e in errs:
+            if e:   # e.g. out of inodes: that page is not stored
+                log.warning("l3 file: %s", os.strerror(e))
+                self._count(errors=1)
+        return [not e for e in errs]
+
+    def _write_new_py(self, names: list[str], headers: np.ndarray, pages: list[torch.Tensor],
+                      idx: list[int]) -> list[bool]:
+        """``_write_new`` from Python: its temp files opened here, their bytes through ``_io_write``."""
+        n = len(names)
+        ok = [False] * n
         fds: list = [None] * n
         temps: list = [None] * n
         try:
-            for i, name in enumerate(names):
-                if ok[i]:
-                    continue
+            for i in idx:
                 try:
-                    temps[i], fds[i] = self._open_temp(name)
+                    temps[i], fds[i] = self._open_temp(names[i])
                 except OSError as e:   # e.g. out of inodes: that page is not stored
                     log.warning("l3 file: %s", e)
                     self._count(errors=1)
-            idx = [i for i in range(n) if fds[i] is not None]
-            for i, done in zip(idx, self._io_write(fds, headers, pages, idx) if idx else []):
+            opened = [i for i in idx if fds[i] is not None]
+            for i, done in zip(opened, self._io_write(fds, headers, pages, opened) if opened else []):
                 if done and self.cfg.fsync:
                     os.fsync(fds[i])
                 os.close(fds[i])
@@ -189,11 +231,7 @@ class FileStore(L3Store):
                     os.close(fd)
                 if tmp is not None:
                     _unlink(tmp)
-        with self._lock:
-            for i in range(n):
-                if ok[i]:
-                    self._note(names[i], size)
-        return ok
+        return [ok[i] for i in idx]
 
     def _delete(self, keys: list[str]) -> None:
         for k in keys:
@@ -254,9 +292,13 @@ class FileStore(L3Store):
         with self._lock:
             self._used -= self._index.pop(name, 0)
 
+    def _temp_path(self, name: str) -> str:
+        """A writer's private temp file beside ``name``'s object (unique across this process's threads)."""
+        return f"{self._objdir}/{name[:2]}/.{name[2:]}.{os.getpid()}.{next(_seq)}.tmp"
+
     def _open_temp(self, name: str):
         final = self._path(name)
-        tmp = os.path.join(os.path.dirname(final), f".{name[2:]}.{os.getpid()}.{next(_seq)}.tmp")
+        tmp = self._temp_path(name)
         for attempt in range(2):
             try:
                 return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -381,6 +423,13 @@ def _io(call, fd: int, header: np.ndarray, page: torch.Tensor) -> bool:
         log.warning("l3 file: %s", e)
         return False
     return off == want
+
+
+def _present_many(paths: list[str], size: int, fileio=None) -> list[bool]:
+    """``_present`` of each path (through the compiled helper ``fileio``: one GIL hand-over for all)."""
+    if fileio is None:
+        return [_present(p, size) for p in paths]
+    return fileio.present([os.fsencode(p) for p in paths], size)
 
 
 def _present(path: str, size: int) -> bool:

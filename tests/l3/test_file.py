@@ -4,12 +4,14 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
+import sysconfig
 import time
 
 import pytest
 import torch
 
 from storage.l3 import HEADER_BYTES, make_store
+from storage.l3.file import _fileio
 from tests.l3.conftest import _nixl_or_skip, random_pages, store_config
 
 NUMEL = 1 << 16                      # 128 KiB bf16 pages
@@ -17,15 +19,22 @@ FILE = HEADER_BYTES + 2 * NUMEL      # bytes of one stored page
 TICK = 0.02                          # > the kernel's coarse file-timestamp granularity
 
 
-@pytest.fixture(params=["file", "nixl"])
+@pytest.fixture(params=["file", "file-py", "nixl"])
 def dir_backend(request):
+    """The directory stores: file (its batch system calls compiled, storage/l3/_fileio.c), file-py (the
+    same store making them from Python, as where nothing could compile), nixl."""
     if request.param == "nixl":
         _nixl_or_skip()
+    if request.param == "file" and _fileio is None:
+        pytest.skip("storage/l3/_fileio.c did not compile here (no C compiler): file-py covers the store")
     return request.param
 
 
 def _open(backend, path, **kw):
-    return make_store(store_config(backend, path, **kw))
+    store = make_store(store_config("file" if backend == "file-py" else backend, path, **kw))
+    if backend == "file-py":
+        store._fileio = None
+    return store
 
 
 def _present(store, ks) -> list[bool]:
@@ -255,3 +264,76 @@ def test_a_page_already_stored_is_not_written_again(dir_backend, tmp_path, keys)
     out = [torch.empty_like(p) for p in pages]
     assert s.batch_get(ks, out) == [True, True] and all(torch.equal(o, p) for o, p in zip(out, pages))
     s.close()
+
+
+def test_compiled_and_python_system_calls_store_the_same_objects(tmp_path, keys):
+    """The compiled batch (storage/l3/_fileio.c) and Python's calls one by one leave the same bytes under
+    the same names, each reads the other's, and neither leaves a temp file."""
+    if _fileio is None:
+        pytest.skip("storage/l3/_fileio.c did not compile here (no C compiler)")
+    ks, pages = keys(6), random_pages(6, numel=NUMEL)
+    stores = {b: _open(b, tmp_path / b) for b in ("file", "file-py")}
+    for b, s in stores.items():
+        assert s.batch_set(ks, pages) == [True] * 6
+    trees = {b: {p.relative_to(tmp_path / b): p.read_bytes() for p in (tmp_path / b / "v1").rglob("*") if p.is_file()}
+             for b in stores}
+    assert len(trees["file"]) == 6 and trees["file"] == trees["file-py"]
+    for b in stores:   # each directory read by the other path
+        other = _open("file-py" if b == "file" else "file", tmp_path / b)
+        out = [torch.empty_like(p) for p in pages]
+        assert other.batch_get(ks, out) == [True] * 6 and all(torch.equal(o, p) for o, p in zip(out, pages))
+        other.close()
+    for s in stores.values():
+        s.close()
+
+
+def test_a_page_that_cannot_be_written_is_not_stored_and_leaves_nothing(dir_backend, tmp_path, keys):
+    """A page whose fan-out directory is not a directory (here a file in its place) fails alone: False for
+    it, an error counted, no temp file left, the batch's other pages stored and readable."""
+    s = _open(dir_backend, tmp_path)
+    ks, pages = keys(8), random_pages(8, numel=NUMEL)
+    from storage.l3.base import key_digest
+    fan = {key_digest(k).hex()[:2] for k in ks}
+    blocked = sorted(fan)[0]
+    (tmp_path / "v1" / blocked).write_bytes(b"not a directory")
+    ok = s.batch_set(ks, pages)
+    bad = [key_digest(k).hex()[:2] == blocked for k in ks]
+    assert ok == [not b for b in bad] and any(bad)
+    assert s.stats()["errors"] == sum(bad)
+    assert not [p for p in (tmp_path / "v1").rglob(".*.tmp")]
+    out = [torch.empty_like(p) for p in pages]
+    assert s.batch_get(ks, out) == ok
+    assert all(torch.equal(o, p) for o, p, good in zip(out, pages, ok) if good)
+    s.close()
+
+
+def test_the_compiled_batch_refuses_what_is_not_an_item():
+    if _fileio is None:
+        pytest.skip("storage/l3/_fileio.c did not compile here (no C compiler)")
+    with pytest.raises(TypeError):
+        _fileio.write_new([("a", b"b", b"", b"")])            # a path as str, not bytes
+    with pytest.raises(TypeError):
+        _fileio.write_new([(b"a", b"b", b"")])                # three fields
+    with pytest.raises(TypeError):
+        _fileio.write_new([(b"a", b"b", b"", object())])      # a page without the buffer protocol
+    with pytest.raises(TypeError):
+        _fileio.present(["/tmp"], 1)
+    assert _fileio.write_new([]) == [] and _fileio.present([], 0) == []
+
+
+def test_a_store_whose_tree_was_removed_writes_it_again(dir_backend, tmp_path, keys):
+    """Someone removed the store's directory tree while it ran: the next set makes it again."""
+    s = _open(dir_backend, tmp_path)
+    ks, pages = keys(3), random_pages(3, numel=NUMEL)
+    shutil.rmtree(tmp_path / "v1")
+    assert s.batch_set(ks, pages) == [True] * 3
+    out = [torch.empty_like(p) for p in pages]
+    assert s.batch_get(ks, out) == [True] * 3 and all(torch.equal(o, p) for o, p in zip(out, pages))
+    s.close()
+
+
+@pytest.mark.skipif(not shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]),
+                    reason="no C compiler: Python makes the system calls")
+def test_the_batch_helper_is_compiled_where_a_compiler_exists():
+    """pip builds storage/l3/_fileio.c; a silent fallback would hand the GIL over five times a page."""
+    assert _fileio is not None

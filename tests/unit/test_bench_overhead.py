@@ -211,3 +211,31 @@ print("ok")
     root = __import__("pathlib").Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=root)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_fileio_bench_times_both_ways_and_switches_a_workers_store(tmp_path):
+    """bench/overhead_fileio.py: the batch timing runs both ways; the switch reaches a worker's file store
+    (here an engine with the server's tiers, as a worker holds it) and answers False without one."""
+    import types
+
+    from bench.overhead_fileio import batch_us, switch_fileio
+    from engine import Engine
+    from storage.config import HiCacheConfig
+    from storage.l3.config import L3Config
+    from storage.l3.file import _fileio
+    us = batch_us(4)
+    assert set(us) == {"compiled", "python"} and all(v > 0 for v in us.values())
+    hc = HiCacheConfig(host_pages=64, l3=L3Config(backend="file", path=str(tmp_path)))
+    eng = Engine.from_pretrained("strata-tiny", num_pages=64, enable_prefix_cache=True, hicache=hc)
+    try:
+        worker = types.SimpleNamespace(core=types.SimpleNamespace(engine=eng))
+        store = eng.cache._l3.store
+        assert switch_fileio(worker, False) and store._fileio is None
+        assert switch_fileio(worker, True) and store._fileio is _fileio
+    finally:
+        eng.close()
+    bare = Engine.from_pretrained("strata-tiny", num_pages=64)
+    try:
+        assert not switch_fileio(types.SimpleNamespace(core=types.SimpleNamespace(engine=bare)), True)
+    finally:
+        bare.close()
