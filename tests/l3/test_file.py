@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from storage.l3 import HEADER_BYTES, make_store
+from storage.l3.base import key_digest
 from storage.l3.file import _fileio
 from tests.l3.conftest import _nixl_or_skip, random_pages, store_config
 
@@ -292,7 +293,6 @@ def test_a_page_that_cannot_be_written_is_not_stored_and_leaves_nothing(dir_back
     it, an error counted, no temp file left, the batch's other pages stored and readable."""
     s = _open(dir_backend, tmp_path)
     ks, pages = keys(8), random_pages(8, numel=NUMEL)
-    from storage.l3.base import key_digest
     fan = {key_digest(k).hex()[:2] for k in ks}
     blocked = sorted(fan)[0]
     (tmp_path / "v1" / blocked).write_bytes(b"not a directory")
