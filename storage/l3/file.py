@@ -154,7 +154,7 @@ class FileStore(L3Store):
         # the decode worker inserts the same prompt). Only its access time is bumped, for the LRU: a stat
         # and a utime instead of creating, writing and renaming a file. A corrupt one fails its checksum
         # when read, is dropped there, and the next set writes it again.
-        paths = [self._path(name) for name in names]
+        paths = [os.fsencode(self._path(name)) for name in names]
         ok = _present_many(paths, size, self._fileio)
         idx = [i for i in range(n) if not ok[i]]
         if idx and not self._make_room(size * len(idx)):
@@ -169,7 +169,7 @@ class FileStore(L3Store):
                     self._note(names[i], size)
         return ok
 
-    def _write_new(self, names: list[str], paths: list[str], headers: dict[int, bytes],
+    def _write_new(self, names: list[str], paths: list[bytes], headers: dict[int, bytes],
                    pages: list[torch.Tensor], idx: list[int]) -> list[bool]:
         """Publish objects ``idx`` (a temp file each, header then page, renamed onto its path): whether
         each is in place. Through the compiled helper, one GIL hand-over per batch (or per I/O thread's
@@ -180,8 +180,7 @@ class FileStore(L3Store):
             for i in idx:
                 rows[i] = np.frombuffer(headers[i], np.uint8)
             return self._write_new_py(names, rows, pages, idx)
-        items = [(os.fsencode(self._temp_path(names[i])), os.fsencode(paths[i]), headers[i], page_bytes(pages[i]))
-                 for i in idx]
+        items = [(os.fsencode(self._temp_path(names[i])), paths[i], headers[i], page_bytes(pages[i])) for i in idx]
         if self._pool is None or len(items) < 2 or len(items) * pages[0].nbytes < POOL_MIN_BYTES:
             errs = fio.write_new(items, self.cfg.fsync)
         else:
@@ -425,14 +424,14 @@ def _io(call, fd: int, header: np.ndarray, page: torch.Tensor) -> bool:
     return off == want
 
 
-def _present_many(paths: list[str], size: int, fileio=None) -> list[bool]:
+def _present_many(paths: list[bytes], size: int, fileio=None) -> list[bool]:
     """``_present`` of each path (through the compiled helper ``fileio``: one GIL hand-over for all)."""
     if fileio is None:
         return [_present(p, size) for p in paths]
-    return fileio.present([os.fsencode(p) for p in paths], size)
+    return fileio.present(paths, size)
 
 
-def _present(path: str, size: int) -> bool:
+def _present(path: str | bytes, size: int) -> bool:
     """Whether a complete-sized object is at ``path``; if so its access time is bumped (the LRU clock)."""
     try:
         if os.stat(path).st_size != size:
