@@ -15,7 +15,7 @@ from fastapi import HTTPException
 
 from actors.metrics import Metrics
 from actors.served import Served, ServedStream
-from engine.async_engine import StreamItem
+from engine.stream import StreamItem
 from engine.sampling import SamplingParams
 
 

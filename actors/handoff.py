@@ -25,7 +25,7 @@ import asyncio
 import uuid
 from typing import AsyncIterator, Awaitable, NamedTuple, Protocol
 
-from engine.async_engine import PrefillResult, StreamItem
+from engine.stream import PrefillResult, StreamItem
 from engine.sampling import SamplingParams
 from storage.transfer import Destination, TransferError
 

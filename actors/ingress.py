@@ -32,8 +32,8 @@ from actors.routing import NoWorkerError, prompt_blocks
 from actors.metrics import Metrics
 from actors.served import Served, ServedStream
 from actors.token_channel import ChannelClient, ChannelLost, Handoff, StaleChannel, request_items
-from engine.async_engine import StreamItem
-from engine.model.loader import sampling_defaults
+from engine.stream import StreamItem
+from engine.model.generation_config import sampling_defaults
 from engine.model.tokenizer import TextTokenizer
 from engine.sampling import SamplingParams
 from storage.transfer import TransferError

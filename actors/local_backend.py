@@ -8,7 +8,7 @@ from typing import AsyncGenerator
 from actors.served import Served, ServedStream
 from engine.async_engine import AsyncEngine, StreamItem
 from engine.engine import Engine
-from engine.model.loader import sampling_defaults
+from engine.model.generation_config import sampling_defaults
 from engine.sampling import SamplingParams
 
 WORKER = "local"

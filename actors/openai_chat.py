@@ -10,7 +10,7 @@ from fastapi import HTTPException
 
 from actors.frontend import bad
 from actors.requests import ChatRequest
-from engine.grammar import available as grammar_available, compile_grammar
+from engine.grammar_compile import available as grammar_available, compile_grammar
 from engine.model import tool_calls as tc
 from engine.model.chat import message_ends, render_chat
 

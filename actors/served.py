@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncGenerator
 
-from engine.async_engine import StreamItem
+from engine.stream import StreamItem
 
 
 @dataclass(frozen=True)

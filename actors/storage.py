@@ -35,7 +35,7 @@ import ray
 from actors.startup_heap import freeze_startup_heap
 from storage.kv_events import (KVEventPublisher, KVEventsConfig, KVEventsEndpoint, StreamPosition, TreeEventStream,
                                WireMapping, l3_medium)
-from storage.l3 import STAT_KEYS, L3Config
+from storage.l3 import L3Config
 from storage.radix.node import L3
 
 log = logging.getLogger("strata.storage")
@@ -155,6 +155,9 @@ class StorageService:
 
     def status(self, worker_stats: list[dict] | None = None) -> dict:
         """Capacity, use and counts. ``worker_stats``: the workers' ``stats()["cache"]["usage"]["L3"]``."""
+        # Here, not at the top: the store contract needs torch, and cluster/config.py imports this module
+        # for StorageConfig in processes that only read the cluster's settings (the ingress, the router).
+        from storage.l3.base import STAT_KEYS
         counts = dict.fromkeys(STAT_KEYS, 0)
         for ws in worker_stats or []:
             for k in STAT_KEYS:

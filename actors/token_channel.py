@@ -77,7 +77,7 @@ import zmq.utils.monitor
 
 from actors.handoff import PeerFailed, Reservation
 from actors.zmq_sockets import bind_random, close_monitored
-from engine.async_engine import StreamItem
+from engine.stream import StreamItem
 from engine.sampling import SamplingParams, TokenLogprob
 from storage.transfer import TransferError
 

@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 import ray
 import zmq
@@ -26,19 +26,22 @@ import zmq.asyncio
 from ray.actor import ActorHandle
 
 from actors.cpu_binding import bind_worker
-from actors.ep_host import EPHost
 from actors.handoff import PeerFailed, Reservation, prefill_reserving
 from actors.route_channel import ChannelDown, ReportClient
 from actors.startup_heap import freeze_startup_heap
 from actors.token_channel import (ChannelClient, ChannelLost, ChannelServer, Handoff, Leased, LeasedSender, Reserve,
                                   Route, StaleChannel)
-from engine import Engine, EngineConfig, SamplingParams
-from engine.async_engine import AsyncEngine, StreamItem
+from engine.config import EngineConfig
+from engine.sampling import SamplingParams
+from engine.stream import StreamItem
 from storage.kv_events import (KVEventPublisher, KVEventsConfig, KVEventsEndpoint, StreamPosition, TreeEventStream,
                                WireMapping, worker_media)
 from storage.transfer import Destination, TransferConfig, TransferError, make_backend
 from storage.transfer.base import Receipt, SendStats, TransferStats
 from storage.transfer.sends import SendRecord
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
 
 log = logging.getLogger("strata.worker")
 MAX_EARLY_ABORTS = 4096   # routes whose ABORT came before their decode half, kept to refuse it (oldest go)
@@ -66,6 +69,11 @@ class WorkerActor:
         router = ray.get_actor(router, namespace=ns) if isinstance(router, str) else router
         storage = ray.get_actor(storage, namespace=ns) if isinstance(storage, str) else storage
         engine_cfg, transfer_cfg = resolve_hosts(engine_cfg, transfer_cfg)
+        # The engine's modules (torch) load here, not with this module: Ray loads an actor's class in every
+        # process that receives a handle to it (the ingress, the router's peers), which then need no torch.
+        from actors.ep_host import EPHost
+        from engine.async_engine import AsyncEngine
+        from engine.engine import Engine
         # ep_size > 1: this process is rank 0 of the group, and the engine it serves is that rank's.
         self.ep = EPHost(engine_cfg, ep_size, ep_num_cpus, ep_num_gpus) if ep_size > 1 else None
         self.core = AsyncEngine(self.ep.engine if self.ep is not None else Engine(engine_cfg), worker_id)

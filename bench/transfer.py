@@ -32,7 +32,7 @@ import time
 import torch
 
 from bench.common import table, write_json
-from storage.transfer.base import KVPayload
+from storage.transfer.payload import KVPayload
 from storage.geometry import KVGeometry
 from storage.config import KVPoolConfig
 from storage.pools import KVPools

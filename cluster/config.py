@@ -13,8 +13,7 @@ from actors.cpu_binding import MODES as CPU_BINDING_MODES
 from actors.routing import RouterConfig
 from actors.storage import StorageConfig
 from cluster.placement import ROLES as PLACED_ROLES, PlacementConfig, RolePlacement
-from engine.config import EngineConfig
-from engine.eplb import EplbConfig
+from engine.config import EngineConfig, EplbConfig
 from storage.config import HiCacheConfig
 from storage.kv_events import KVEventsConfig
 from storage.l3.config import L3Config, MooncakeConfig, NixlConfig

@@ -1,6 +1,18 @@
-"""One worker's inference engine (no Ray)."""
-from engine.config import EngineConfig
-from engine.engine import Engine, GenerationOutput, StepOutput
-from engine.sampling import SamplingParams
+"""One worker's inference engine (no Ray).
 
-__all__ = ["Engine", "EngineConfig", "GenerationOutput", "SamplingParams", "StepOutput"]
+The names below load on first use: the HTTP ingress imports the engine's torch-free parts (sampling
+parameters, stream items, the tokenizer) and must not pay for torch, which ``Engine`` needs."""
+import importlib
+
+_EXPORTS = {"Engine": "engine.engine", "EngineConfig": "engine.config", "GenerationOutput": "engine.engine",
+            "SamplingParams": "engine.sampling", "StepOutput": "engine.engine"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

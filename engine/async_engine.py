@@ -14,34 +14,17 @@ import queue
 import select
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, NamedTuple, Protocol
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Protocol
 
-from storage.transfer.base import KVPayload
 from engine.engine import Engine
 from engine.request import Status
 from engine.sampling import SamplingParams
+from engine.stream import PrefillResult, StreamItem, merge_items
 from storage.transfer.base import Receipt, TransferBackend
+from storage.transfer.payload import KVPayload
 
 log = logging.getLogger("strata.engine")
-
-
-@dataclass
-class StreamItem:
-    """One piece of a request's stream: new tokens, and on the last item the final accounting."""
-
-    rid: str
-    token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
-    error: str | None = None
-    logprobs: list = field(default_factory=list)         # TokenLogprob per token of token_ids, if asked
-    prompt_logprobs: list | None = None                  # prompt-token logprobs computed since the last item
-    matched_stop: int | str | None = None                # on the last item: the stop id or string that ended it
-    held_s: float = 0.0                                  # how long its first token waited on the worker (whole)
 
 
 WHOLE_SEND_TOKENS, WHOLE_SEND_SECONDS = 50, 1.0
@@ -49,18 +32,6 @@ WHOLE_SEND_TOKENS, WHOLE_SEND_SECONDS = 50, 1.0
 once this many tokens are held, or its first held token is this old (so a long or slow answer still shows
 progress to the ingress's per-item timeout). SGLang's scheduler sends a non-streamed request's output at
 its end and every 50 tokens (its force-stream interval)."""
-
-
-def merge_items(a: StreamItem, b: StreamItem) -> StreamItem:
-    """``a`` then ``b`` of one request as one item: their tokens (and logprobs) in order, ``b``'s final
-    accounting. ``a`` is changed and returned."""
-    a.token_ids = a.token_ids + b.token_ids
-    a.logprobs = a.logprobs + b.logprobs
-    if b.prompt_logprobs is not None:
-        a.prompt_logprobs = (a.prompt_logprobs or []) + b.prompt_logprobs
-    a.finished, a.finish_reason, a.error, a.matched_stop = b.finished, b.finish_reason, b.error, b.matched_stop
-    a.prompt_tokens, a.cached_tokens, a.cached_tokens_by_tier = b.prompt_tokens, b.cached_tokens, b.cached_tokens_by_tier
-    return a
 
 
 def _settle(fut: asyncio.Future, res: Any, exc: BaseException | None) -> None:
@@ -72,13 +43,6 @@ def _settle(fut: asyncio.Future, res: Any, exc: BaseException | None) -> None:
         fut.set_exception(exc)
     else:
         fut.set_result(res)
-
-
-class PrefillResult(NamedTuple):
-    """What a prefill-only request leaves: its first token's (last) item, and the prompt's KV for a decode
-    engine (None when there is nothing to hand over: the first token ended the request, or it failed)."""
-    first: StreamItem
-    payload: KVPayload | None
 
 
 @dataclass

@@ -10,7 +10,8 @@ from engine.kv_manager import KVManager
 from engine.request import Request, Status
 from storage.geometry import KVGeometry
 from storage.pools import KVPools
-from storage.transfer.base import KVPayload, LeasedPages, Receipt
+from storage.transfer.base import LeasedPages, Receipt
+from storage.transfer.payload import KVPayload
 
 
 def export_kv(req: Request, pools: KVPools, geom: KVGeometry, offloads_to: str = "") -> KVPayload:

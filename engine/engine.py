@@ -18,8 +18,8 @@ from engine.model.tokenizer import TextTokenizer
 from engine.request import Request, Status
 from engine.runner import ModelRunner
 from engine.grammar import GrammarTokenizer
-from engine.sampler import sample, token_logprobs
-from engine.sampling import SamplingParams, TokenLogprob, make_generator
+from engine.sampler import make_generator, sample, token_logprobs
+from engine.sampling import SamplingParams, TokenLogprob
 from engine.stopping import row_state, stop_reason
 from engine.scheduler import Scheduler, SchedulerHooks
 from engine.kv_manager import KVManager

@@ -19,68 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-@dataclass(frozen=True)
-class EplbConfig:
-    """The rebalancer's knobs (cluster YAML ``eplb:``). A rebalance is due every ``interval_seconds`` or
-    every ``interval_steps`` forward passes, whichever comes first (0 disables that trigger); it uses the
-    loads of the last ``window`` intervals and is applied only when the current balancedness is under
-    ``threshold`` and the new placement improves on it.
-
-    The engine reads the slot layout (``num_ranks`` x (E + ``num_redundant_experts``) / ``num_ranks``
-    slots) and ``dispatch`` ("auto", "torch", "deep_ep"); the rebalancer reads the rest: it collects the
-    workers' counters every ``collect_seconds`` (one window interval) and acts on its own schedule only
-    when ``auto`` (``strata rebalance`` triggers it by hand either way). ``migration_aware``: relabel the
-    new placement's ranks and slots to keep experts where they are (``align_placement``: the same
-    balancedness, fewer weights moved); false applies the placement algorithm's plain output."""
-    num_redundant_experts: int = 0
-    num_ranks: int = 1
-    num_groups: int = 1
-    num_nodes: int = 1
-    window: int = 10
-    interval_seconds: float = 60.0
-    interval_steps: int = 0
-    threshold: float = 0.9
-    auto: bool = True
-    collect_seconds: float = 1.0
-    dispatch: str = "auto"
-    migration_aware: bool = True
-
-    def __post_init__(self) -> None:
-        for name, lo in (("num_redundant_experts", 0), ("num_ranks", 1), ("num_groups", 1), ("num_nodes", 1),
-                         ("window", 1), ("interval_steps", 0)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-                raise ValueError(f"EplbConfig.{name} must be an int >= {lo}, got {v!r}")
-        if self.num_ranks % self.num_nodes:
-            raise ValueError(f"EplbConfig.num_nodes ({self.num_nodes}) must divide num_ranks ({self.num_ranks})")
-        if self.num_redundant_experts % self.num_ranks:
-            raise ValueError(f"EplbConfig.num_redundant_experts ({self.num_redundant_experts}) must be a "
-                             f"multiple of num_ranks ({self.num_ranks})")
-        if not isinstance(self.interval_seconds, (int, float)) or not self.interval_seconds >= 0:
-            raise ValueError(f"EplbConfig.interval_seconds must be >= 0, got {self.interval_seconds!r}")
-        if self.interval_seconds == 0 and self.interval_steps == 0:
-            raise ValueError("EplbConfig.interval_seconds and interval_steps are both 0: nothing would trigger")
-        if not isinstance(self.threshold, (int, float)) or not 0 < self.threshold <= 1:
-            raise ValueError(f"EplbConfig.threshold must be in (0, 1], got {self.threshold!r}")
-        if not isinstance(self.auto, bool):
-            raise ValueError(f"EplbConfig.auto must be a bool, got {self.auto!r}")
-        if isinstance(self.collect_seconds, bool) or not isinstance(self.collect_seconds, (int, float)) \
-                or not self.collect_seconds > 0:
-            raise ValueError(f"EplbConfig.collect_seconds must be > 0, got {self.collect_seconds!r}")
-        if not isinstance(self.migration_aware, bool):
-            raise ValueError(f"EplbConfig.migration_aware must be a bool, got {self.migration_aware!r}")
-        if self.dispatch not in ("auto", "torch", "deep_ep", "deep_ep_ll"):
-            raise ValueError(f"EplbConfig.dispatch must be auto, torch, deep_ep or deep_ep_ll, got {self.dispatch!r}")
-
-    def num_replicas(self, num_logical: int) -> int:
-        return num_logical + self.num_redundant_experts
-
-    def is_due(self, now: float, step: int, last_time: float, last_step: int) -> bool:
-        """Whether a rebalance is due at time ``now`` (seconds) and forward pass ``step``, given when the
-        last one happened."""
-        return ((self.interval_seconds > 0 and now - last_time >= self.interval_seconds)
-                or (self.interval_steps > 0 and step - last_step >= self.interval_steps))
+from engine.config import EplbConfig
 
 
 # ---------------------------------------------------------------------------------------------- placement

@@ -7,74 +7,26 @@ bitmask into a buffer of ours, unpacked here in torch. Not through ``llguidance.
 imports torch.compile's machinery (torch._dynamo, inductor: ~1.8 s of every process that imports the
 engine, the ingress and each worker included, at each start and restart) for one pointer call.
 
-llguidance is imported when present: an engine without it (a GPU image that lacks the wheel) serves
+llguidance is imported when present (engine/grammar_compile.py, which compiles and checks a grammar
+without torch, for the ingress too): an engine without it (a GPU image that lacks the wheel) serves
 everything but structured output, whose requests are refused with a ValueError naming the package."""
 from __future__ import annotations
 
-import functools
-import json
-
 import torch
 
-try:
-    import llguidance
-    _IMPORT_ERROR: ImportError | None = None
-except ImportError as e:
-    llguidance = None
-    _IMPORT_ERROR = e
-
+import engine.grammar_compile as compiled
+from engine.grammar_compile import compile_grammar
 from engine.sampling import SamplingParams
-
-
-_JSON_OPTIONS = {"whitespace_flexible": False}
-
-
-def available() -> bool:
-    """Whether structured output can be served here (llguidance imports)."""
-    return llguidance is not None
-
-
-def _require() -> None:
-    if llguidance is None:
-        raise ValueError(f"grammar: structured output needs the llguidance package, which does not import "
-                         f"here ({_IMPORT_ERROR}); pip install 'llguidance>=1.9,<2'")
-
-
-@functools.lru_cache(maxsize=256)
-def compile_grammar(kind: str, text: str) -> str:
-    """(kind, text) -> an llguidance grammar; ValueError("grammar: ...") when it is not valid."""
-    _require()
-    try:
-        # Compact separators rather than free whitespace: a weak model otherwise pads JSON with
-        # whitespace until it runs out of tokens (a schema's own "x-guidance" options still win).
-        if kind == "json_object":
-            g = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_OPTIONS)
-        elif kind == "json_schema":
-            json.loads(text)
-            g = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS)
-        elif kind == "regex":
-            g = llguidance.LLMatcher.grammar_from_regex(text)
-        elif kind == "ebnf":
-            g = llguidance.grammar_from("ebnf", text)
-        elif kind == "lark":
-            g = llguidance.LLMatcher.grammar_from_lark(text)
-        else:
-            raise ValueError(f"unknown kind {kind!r}")
-    except ValueError as e:
-        raise ValueError(f"grammar: invalid {kind}: {e}") from None
-    err = llguidance.LLMatcher.validate_grammar(g)
-    if err:
-        raise ValueError(f"grammar: invalid {kind}: {err.strip()[:500]}")
-    return g
 
 
 class GrammarTokenizer:
     """The llguidance view of a checkpoint's tokenizer (built once per engine)."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int]) -> None:
-        _require()
+        compiled.require()
         self.vocab_size = vocab_size
-        self.ll = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids) or None)
+        self.ll = compiled.llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+                                                  eos_token=list(eos_ids) or None)
         self.words = (vocab_size + 31) // 32
         self._bits = torch.arange(32, dtype=torch.int32)
 
@@ -82,7 +34,7 @@ class GrammarTokenizer:
         if params.grammar is None:
             return None
         g = compile_grammar(*params.grammar)
-        m = llguidance.LLMatcher(self.ll, g, log_level=0)
+        m = compiled.llguidance.LLMatcher(self.ll, g, log_level=0)
         if m.is_error():
             raise ValueError(f"grammar: {m.get_error()[:500]}")
         return Matcher(self, m)

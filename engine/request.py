@@ -9,7 +9,7 @@ import torch
 
 from engine.kv_manager import PageTable
 from engine.sampling import SamplingParams
-from storage.transfer.base import KVPayload
+from storage.transfer.payload import KVPayload
 
 
 class Status(enum.Enum):

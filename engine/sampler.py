@@ -18,6 +18,13 @@ from engine.sampling import SamplingParams, TokenLogprob
 NEG_INF = float("-inf")
 
 
+def make_generator(seed: int | None, fallback: torch.Generator) -> torch.Generator:
+    """A request's own generator: seeded by its ``seed``, else drawn from the engine's ``fallback``."""
+    g = torch.Generator()
+    g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,), generator=fallback)))
+    return g
+
+
 @dataclass
 class RowState:
     """What the sampler reads of one request."""

@@ -6,8 +6,6 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import torch
-
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "lark")
 MAX_TOP_LOGPROBS = 20
 
@@ -135,8 +133,3 @@ class SamplingParams:
     def penalized(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
-
-def make_generator(seed: int | None, fallback: torch.Generator) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,), generator=fallback)))
-    return g

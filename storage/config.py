@@ -4,6 +4,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+FULL = "full"
+SWA = "swa"
+COMPONENTS = (FULL, SWA)
+"""The KV components a page has: the full-attention layers' and the sliding-window layers'. Each has its
+own pool in every tier; the radix tree, the router and the event stream name them too (and need no torch)."""
+
 
 @dataclass(frozen=True)
 class KVPoolConfig:

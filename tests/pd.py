@@ -10,7 +10,7 @@ import itertools
 from typing import Sequence
 
 from engine import Engine, SamplingParams
-from storage.transfer.base import KVPayload
+from storage.transfer.payload import KVPayload
 from storage.transfer.base import Destination, TransferBackend
 from storage.transfer.ray_object import RayObjectBackend
 

@@ -5,8 +5,26 @@ only when chosen, so the file store needs neither package.
 """
 from __future__ import annotations
 
-from storage.l3.base import HEADER_BYTES, KEY_PREFIX, STAT_KEYS, L3Store, l3_key
+import importlib
+from typing import TYPE_CHECKING
+
 from storage.l3.config import BACKENDS, L3Config, MooncakeConfig, NixlConfig
+
+if TYPE_CHECKING:
+    from storage.l3.base import L3Store
+
+# The store contract (base.py) loads on first use: it needs torch, and the ingress and the router unpickle
+# this package's configs (and cluster/config.py imports them) without loading torch.
+_FROM_BASE = ("HEADER_BYTES", "KEY_PREFIX", "STAT_KEYS", "L3Store", "l3_key")
+
+
+def __getattr__(name: str):
+    if name not in _FROM_BASE:
+        raise AttributeError(f"module 'storage.l3' has no attribute {name!r}")
+    value = getattr(importlib.import_module("storage.l3.base"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = ["BACKENDS", "HEADER_BYTES", "KEY_PREFIX", "STAT_KEYS", "L3Config", "L3Store", "MooncakeConfig",
            "NixlConfig", "l3_key", "make_store"]

@@ -9,7 +9,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Iterator, NamedTuple, Optional
 
-from storage.pools import COMPONENTS, FULL, SWA
+from storage.config import COMPONENTS, FULL, SWA
 
 L1 = "L1"
 L2 = "L2"

@@ -1,6 +1,7 @@
 """Prefill->decode KV transfer (DESIGN "One request, end to end", step 3): base.py (interface, leases),
-ray_object.py (default), nixl.py, mooncake.py, staging.py (the prefill side's registered host buffer)."""
-from storage.transfer.base import (Destination, KVPayload, Lease, LeasedPages, LeaseInfo, LeaseStats, LeaseTable,
+payload.py (the KV handed over, as tensors; base.py needs no torch), ray_object.py (default), nixl.py,
+mooncake.py, staging.py (the prefill side's registered host buffer)."""
+from storage.transfer.base import (Destination, Lease, LeasedPages, LeaseInfo, LeaseStats, LeaseTable,
                                    PeerInfo, PoolRegion, Receipt, SendStats, TransferBackend, TransferError,
                                    TransferStats)
 from storage.transfer.config import TransferConfig
@@ -21,6 +22,6 @@ def make_backend(cfg: TransferConfig, role: str, pools, name: str) -> TransferBa
     raise ValueError(f"transfer.backend: unknown {cfg.backend!r}")
 
 
-__all__ = ["Destination", "KVPayload", "Lease", "LeasedPages", "LeaseInfo", "LeaseStats", "LeaseTable", "PeerInfo",
+__all__ = ["Destination", "Lease", "LeasedPages", "LeaseInfo", "LeaseStats", "LeaseTable", "PeerInfo",
            "PoolRegion", "Receipt", "SendStats", "TransferBackend", "TransferConfig", "TransferError", "TransferStats",
            "make_backend"]

@@ -17,8 +17,9 @@ import threading
 import time
 import uuid
 
-from storage.transfer.base import (Destination, KVPayload, PeerInfo, Receipt, SendStats, TransferBackend, TransferError,
+from storage.transfer.base import (Destination, PeerInfo, Receipt, SendStats, TransferBackend, TransferError,
                                    check_fits, receipt)
+from storage.transfer.payload import KVPayload
 from storage.transfer.staging import Staging, pool_regions
 
 

@@ -15,8 +15,9 @@ import time
 
 import torch
 
-from storage.transfer.base import (Destination, KVPayload, LeasedPages, Receipt, SendStats, TransferBackend,
-                                   TransferError, check_fits, receipt)
+from storage.transfer.base import (Destination, LeasedPages, Receipt, SendStats, TransferBackend, TransferError,
+                                   check_fits, receipt)
+from storage.transfer.payload import KVPayload
 
 
 def pack(payload: KVPayload, dest: Destination) -> KVPayload:

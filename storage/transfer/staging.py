@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from storage.pools import PageAllocator
+from storage.allocator import PageAllocator
 from storage.transfer.base import Destination, LeaseTable, PoolRegion, coalesce
 
 

@@ -138,7 +138,7 @@ def test_prompt_logprobs_with_chunked_prefill_and_hicache():
 def test_without_llguidance_structured_output_is_refused_by_name_and_the_rest_serves(monkeypatch):
     """An engine where llguidance does not import (the GPU image) serves every request but structured
     output, which is a ValueError naming the package (HTTP 400), not an import error at start."""
-    import engine.grammar as grammar
+    import engine.grammar_compile as grammar
     monkeypatch.setattr(grammar, "llguidance", None)
     monkeypatch.setattr(grammar, "_IMPORT_ERROR", ModuleNotFoundError("No module named 'llguidance'"))
     fresh = Engine.from_pretrained("strata-tiny", page_size=16, num_pages=64)

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from actors.handoff import KVHandoff, Reservation, prefill_reserving
-from engine.async_engine import PrefillResult, StreamItem
+from engine.stream import PrefillResult, StreamItem
 from engine.sampling import SamplingParams
 from storage.transfer import Destination, TransferError
 

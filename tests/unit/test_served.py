@@ -8,7 +8,7 @@ import pytest
 
 from actors.frontend import Frontend, Sample
 from actors.served import Served, ServedStream
-from engine.async_engine import StreamItem
+from engine.stream import StreamItem
 from engine.sampling import SamplingParams
 
 

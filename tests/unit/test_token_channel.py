@@ -16,7 +16,8 @@ from actors.token_channel import (RETURNED, ChannelClient, ChannelLost, ChannelS
                                   decode_items, encode_items, request_items, settle)
 from engine import Engine, SamplingParams
 from engine import async_engine
-from engine.async_engine import WHOLE_SEND_TOKENS, AsyncEngine, StreamItem, merge_items
+from engine.async_engine import WHOLE_SEND_TOKENS, AsyncEngine
+from engine.stream import StreamItem, merge_items
 from engine.sampling import TokenLogprob
 
 ITEMS = [
@@ -605,7 +606,8 @@ def test_a_leased_decode_half_reaches_its_handler_with_its_kv_out_of_band():
     itself stays small), the params; an unreadable one is refused to the route's client, which waits for
     it; a sender past its queue's bound (nobody reads) says so instead of blocking."""
     from actors.token_channel import Leased, LeasedSender
-    from storage.transfer.base import KVPayload, Receipt
+    from storage.transfer.base import Receipt
+    from storage.transfer.payload import KVPayload
     from tests.util import free_port
     got: list = []
     s = ChannelServer("127.0.0.1", on_request=lambda *a: None, on_abort=lambda r: None,

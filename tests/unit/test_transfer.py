@@ -322,7 +322,7 @@ def test_a_payload_pickles_its_kv_out_of_band_and_bit_exact(dtype):
     import pickle
     import warnings
     import numpy as np
-    from storage.transfer.base import KVPayload
+    from storage.transfer.payload import KVPayload
     g = torch.Generator().manual_seed(3)
     p = KVPayload(33, 7, 16, torch.randn(4, 3, 256, generator=g).to(dtype), torch.empty(2, 0, 256, dtype=dtype),
                   2, 32, 2, "file://host/l3")
