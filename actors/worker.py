@@ -70,7 +70,7 @@ class WorkerActor:
         storage = ray.get_actor(storage, namespace=ns) if isinstance(storage, str) else storage
         engine_cfg, transfer_cfg = resolve_hosts(engine_cfg, transfer_cfg)
         # The engine's modules (torch) load here, not with this module: Ray loads an actor's class in every
-        # process that receives a handle to it (the ingress, the router's peers), which then need no torch.
+        # process that receives a handle to it, and the ingress, which holds the workers', needs no torch.
         from actors.ep_host import EPHost
         from engine.async_engine import AsyncEngine
         from engine.engine import Engine
