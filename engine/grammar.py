@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 
 import engine.grammar_compile as compiled
-from engine.grammar_compile import compile_grammar
 from engine.sampling import SamplingParams
 
 
@@ -33,7 +32,7 @@ class GrammarTokenizer:
     def matcher(self, params: SamplingParams) -> "Matcher | None":
         if params.grammar is None:
             return None
-        g = compile_grammar(*params.grammar)
+        g = compiled.compile_grammar(*params.grammar)
         m = compiled.llguidance.LLMatcher(self.ll, g, log_level=0)
         if m.is_error():
             raise ValueError(f"grammar: {m.get_error()[:500]}")

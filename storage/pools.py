@@ -15,7 +15,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from storage.allocator import PageAllocator
-from storage.config import COMPONENTS, FULL, SWA, KVPoolConfig  # noqa: F401 - FULL, SWA, COMPONENTS re-exported
+from storage.config import COMPONENTS, FULL, SWA, KVPoolConfig
 
 POISON = 1.0e4
 """What ``poison`` fills fresh pages with: finite, so masked slots still contribute exactly 0, but far

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import Engine, SamplingParams
-from engine.grammar import compile_grammar
+from engine.grammar_compile import compile_grammar
 from storage.config import HiCacheConfig
 from tests import numerics, pd
 

@@ -36,7 +36,7 @@ def test_the_ingress_and_the_router_load_no_torch():
     assert out.stdout.decode().strip() == "[]", out.stdout.decode()[-2000:]
 
 
-def test_a_worker_still_has_its_engine():
+def test_the_engine_package_gives_its_names_on_first_use():
     """The engine's names load on first use (engine/__init__.py), the same objects as their modules'."""
     import engine
     from engine.engine import Engine
