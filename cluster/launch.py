@@ -47,7 +47,6 @@ set_ray_env()
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
-from actors.eplb import start_rebalancer  # noqa: E402
 from actors.ingress import Ingress  # noqa: E402
 from actors.lifecycle import StartingIngress  # noqa: E402
 from actors.router import PrefixRouterActor  # noqa: E402
@@ -56,10 +55,10 @@ from cluster import workers as wk  # noqa: E402
 from cluster.config import IF_EXISTS, ClusterConfig, load_config, with_model  # noqa: E402
 from cluster.lifecycle import (APP_NAME, ROUTER_ACTOR, STORAGE_ACTOR, Signals, app_phase, drain,  # noqa: E402
                                running_actors, tear_down)
+from engine.config import model_id  # noqa: E402
 from engine.model.config import ModelConfig  # noqa: E402
-from engine.model.loader import resolve_model_path  # noqa: E402
+from engine.model.checkpoint import resolve_model_path  # noqa: E402
 from storage.geometry import KVGeometry  # noqa: E402
-from engine.engine import model_id  # noqa: E402
 
 
 def init_ray(cfg: ClusterConfig, address: str | None = None) -> None:
@@ -251,8 +250,10 @@ def start_actors(cfg: ClusterConfig, detached: bool = False, ready_timeout: floa
     if storage is not None:
         storage.attach.remote(workers)
     wk.wait_reported(router, workers, ready_timeout)
-    eplb = (start_rebalancer(cfg.engine.eplb, workers, len(mc.moe_layer_ids), mc.num_local_experts, detached, ns)
-            if cfg.engine.eplb is not None else None)
+    eplb = None
+    if cfg.engine.eplb is not None:
+        from actors.eplb import start_rebalancer   # its placement logic is torch's: loaded only where it runs
+        eplb = start_rebalancer(cfg.engine.eplb, workers, len(mc.moe_layer_ids), mc.num_local_experts, detached, ns)
     s = cfg.server
     return {"router": router, "workers": workers, "engine_config": engine_cfg,
             "url": f"http://{s.host}:{s.port}", "model_path": str(path), "model_config": mc,

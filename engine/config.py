@@ -160,3 +160,12 @@ class EngineConfig:
     @property
     def effective_chunk_size(self) -> int:
         return min(self.chunk_size or self.max_batch_tokens, self.max_batch_tokens)
+
+
+def model_id(model_path, mc, cfg: EngineConfig) -> str:
+    """The L3 namespace of an engine's pages: model, geometry, dtype, page size and L2 layout (the router
+    and the storage actor compute it without building an engine). ``model_path``: the checkpoint's
+    directory (a Path); ``mc``: its ModelConfig."""
+    layout = cfg.hicache.layout if cfg.hicache is not None else "-"
+    return (f"{model_path.name}/L{mc.num_hidden_layers}h{mc.hidden_size}kv{mc.num_key_value_heads}"
+            f"d{mc.head_dim}/{cfg.dtype}/p{cfg.page_size}/{layout}")

@@ -10,7 +10,7 @@ from typing import Sequence, Union
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, model_id
 from engine.model.loader import load_config, load_model, resolve_model_path
 from engine.model.moe_dispatch import select_dispatch
 from engine.model import moe_slots
@@ -36,14 +36,6 @@ Prompt = Union[str, Sequence[int]]
 
 def req_top(owners: list) -> int:
     return max(req.params.top_logprobs for req, _ in owners)
-
-
-def model_id(model_path, mc, cfg: EngineConfig) -> str:
-    """The L3 namespace of an engine's pages: model, geometry, dtype, page size and L2 layout (the router
-    and the storage actor compute it without building an engine)."""
-    layout = cfg.hicache.layout if cfg.hicache is not None else "-"
-    return (f"{model_path.name}/L{mc.num_hidden_layers}h{mc.hidden_size}kv{mc.num_key_value_heads}"
-            f"d{mc.head_dim}/{cfg.dtype}/p{cfg.page_size}/{layout}")
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""What every family's ``config.json`` parser shares (the parsers are in the family files, chosen by
-engine/model/registry.py).
+"""Each family's ``config.json`` parser, and what they share (engine/model/registry.py picks one by
+``architectures``). Plain Python, no torch: the launcher, the router and the storage actor read a
+checkpoint's layer spec here without loading the model's modules (the family files, engine/model/*.py).
 
 Both the layouts that transformers 5 writes (``rope_parameters``, per layer type for Gemma 3) and the
 older ones that released checkpoints carry (``rope_theta`` + ``rope_scaling``, Gemma 3's
@@ -72,3 +73,77 @@ def layer_types(d: dict, default_sliding: Callable[[int], bool]) -> tuple[str, .
     if d.get("layer_types"):
         return tuple(d["layer_types"])
     return tuple(SLIDING if default_sliding(i) else FULL_ATTN for i in range(d["num_hidden_layers"]))
+
+
+# ---- the families -------------------------------------------------------------------------------------
+def parse_gpt_oss(d: dict) -> ModelConfig:
+    """GPT-OSS: alternating sliding (window 128) and full layers, sinks, biased attention, YaRN RoPE, MoE
+    with a biased top-k router and clamped SwiGLU experts (engine/model/gpt_oss.py)."""
+    if "num_local_experts" not in d:
+        raise KeyError("num_local_experts")
+    return common(
+        d, "GptOssForCausalLM", 150000.0,
+        intermediate_size=d["intermediate_size"], num_local_experts=d["num_local_experts"],
+        num_experts_per_tok=d["num_experts_per_tok"], sliding_window=d.get("sliding_window") or 0,
+        layer_types=layer_types(d, lambda i: i % 2 == 0),
+        max_position_embeddings=d.get("max_position_embeddings", 131072),
+        rms_norm_eps=d.get("rms_norm_eps", 1e-5), swiglu_limit=d.get("swiglu_limit", 7.0),
+        swiglu_alpha=d.get("swiglu_alpha", 1.702), attention_bias=d.get("attention_bias", True),
+        attention_sinks=True, router_bias=True, expert_bias=True, router="topk_softmax",
+        expert_act="swiglu_clamped", hidden_act="silu")
+
+
+def parse_llama(d: dict) -> ModelConfig:
+    """Llama: full attention in every layer (engine/model/llama.py)."""
+    return common(d, "LlamaForCausalLM", 10000.0, mlp_bias=bool(d.get("mlp_bias", False)),
+                  layer_types=(FULL_ATTN,) * d["num_hidden_layers"], rms_norm_eps=d.get("rms_norm_eps", 1e-6))
+
+
+def _qwen3_layers(d: dict) -> tuple[tuple[str, ...], int]:
+    window = d.get("sliding_window") if d.get("use_sliding_window") else None
+    mwl = d.get("max_window_layers", d["num_hidden_layers"])
+    if d.get("layer_types") and not window:
+        return tuple(FULL_ATTN for _ in d["layer_types"]), 0
+    return layer_types(d, lambda i: bool(window) and i >= mwl), window or 0
+
+
+def parse_qwen3(d: dict) -> ModelConfig:
+    """Qwen3: q/k norms, full attention (sliding layers only with ``use_sliding_window``;
+    engine/model/qwen3.py)."""
+    types, window = _qwen3_layers(d)
+    return common(d, "Qwen3ForCausalLM", 10000.0, qk_norm=True, layer_types=types, sliding_window=window)
+
+
+def parse_qwen3_moe(d: dict) -> ModelConfig:
+    """Qwen3-MoE: Qwen3's attention, softmax top-k experts, dense MLPs in ``mlp_only_layers`` and between
+    sparse steps (engine/model/qwen3.py)."""
+    types, window = _qwen3_layers(d)
+    return common(
+        d, "Qwen3MoeForCausalLM", 10000.0, qk_norm=True, layer_types=types, sliding_window=window,
+        # Released configs say num_experts; transformers 5 writes num_local_experts.
+        num_local_experts=d["num_experts"] if "num_experts" in d else d["num_local_experts"],
+        num_experts_per_tok=d["num_experts_per_tok"],
+        moe_intermediate_size=d["moe_intermediate_size"], norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        mlp_only_layers=tuple(d.get("mlp_only_layers") or ()), decoder_sparse_step=d.get("decoder_sparse_step", 1),
+        router="softmax_topk", expert_act="silu")
+
+
+def parse_gemma3(d: dict) -> ModelConfig:
+    """Gemma 3 text: five sliding layers to one global, local and global RoPE bases (engine/model/gemma3.py)."""
+    if d.get("use_bidirectional_attention"):
+        raise ValueError("config.json: use_bidirectional_attention=true (an encoder) is not supported")
+    # attn_logit_softcapping is read by transformers' Gemma 3 but never applied (Gemma 3 replaced it
+    # with q/k norms; released configs say null): strata follows transformers and ignores it too.
+    pattern = d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6
+    return common(
+        d, "Gemma3ForCausalLM", 1000000.0,
+        head_dim=d.get("head_dim") or 256,
+        hidden_act=d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh",
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+        layer_types=layer_types(d, lambda i: (i + 1) % pattern != 0),
+        sliding_window=d.get("sliding_window") or 4096,
+        qk_norm=True, query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or 256),
+        final_logit_softcapping=d.get("final_logit_softcapping"),
+        norm_offset=1.0, sandwich_norm=True, embed_scale=float(d["hidden_size"]) ** 0.5,
+        max_position_embeddings=d.get("max_position_embeddings", 131072),
+        eos_token_id=eos_ids(d) or (1,), pad_token_id=d.get("pad_token_id", 0))

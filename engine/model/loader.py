@@ -3,27 +3,19 @@ seeded ``strata-tiny`` model on first use, so nothing is ever downloaded."""
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
-import os
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.model.checkpoint import TINY_NAME, ensure_tiny, resolve_model_path, strata_home  # noqa: F401
 from engine.model.config import FULL_ATTN, SLIDING, ModelConfig, RopeConfig
 from engine.model.convert import to_strata
 from engine.model.generation_config import generation_eos
 from engine.model.decoder import CausalLM
 from engine.model.registry import build_model
 from engine.model.tokenizer import write_byte_tokenizer
-
-TINY_NAME = "strata-tiny"
-
-
-def strata_home() -> Path:
-    return Path(os.environ.get("STRATA_HOME") or Path.home() / ".cache" / "strata")
-
 
 def tiny_config(**overrides) -> ModelConfig:
     """The seeded tiny hybrid model: 4 layers alternating sliding/full, window 64, 8 experts top-2."""
@@ -87,33 +79,6 @@ def save_checkpoint(path: str | Path, cfg: ModelConfig, sd: dict[str, torch.Tens
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     (path / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
     return path
-
-
-def ensure_tiny(seed: int = 0) -> Path:
-    """The strata-tiny checkpoint directory, generated once (under a file lock) into STRATA_HOME."""
-    root = strata_home() / "models"
-    root.mkdir(parents=True, exist_ok=True)
-    target = root / f"{TINY_NAME}-s{seed}"
-    if (target / "config.json").is_file():
-        return target
-    with open(root / f".{TINY_NAME}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / "config.json").is_file():
-            tmp = root / f".{TINY_NAME}-s{seed}.tmp{os.getpid()}"
-            cfg = tiny_config()
-            save_checkpoint(tmp, cfg, random_state_dict(cfg, seed))
-            os.replace(tmp, target)
-    return target
-
-
-def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
-    if str(name_or_path) == TINY_NAME:
-        return ensure_tiny()
-    p = Path(name_or_path)
-    if not p.is_dir() or not (p / "config.json").is_file():
-        raise ValueError(f"model: {str(name_or_path)!r} is neither {TINY_NAME!r} nor a checkpoint "
-                         "directory with config.json")
-    return p
 
 
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:

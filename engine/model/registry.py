@@ -1,27 +1,34 @@
 """The model registry: ``architectures[0]`` of a config.json -> the family's config parser and model
 class. Each family declares its layer spec (per layer: full or sliding, and the window) in the
 ``ModelConfig`` its parser returns; pools, the radix tree, the P/D leases and the router are sized from
-that spec (storage/geometry.py ``KVGeometry``), never from a model name."""
+that spec (storage/geometry.py ``KVGeometry``), never from a model name.
+
+The parsers are plain Python (engine/model/hf_config.py); a family's module (its model class, and torch
+with it) is imported only when a model is built, so the processes that only read a checkpoint's layer
+spec (the launcher, the router) never load torch."""
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import importlib
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
-from engine.model import gemma3, gpt_oss, llama, qwen3
+from engine.model import hf_config
 from engine.model.config import ModelConfig
-from engine.model.decoder import CausalLM
+
+if TYPE_CHECKING:
+    from engine.model.decoder import CausalLM
 
 
 class Family(NamedTuple):
     parse: Callable[[dict], ModelConfig]
-    model: type[CausalLM]
+    model: str   # "module:Class" of the family's model (engine/model/<family>.py)
 
 
 ARCHITECTURES: dict[str, Family] = {
-    "GptOssForCausalLM": Family(gpt_oss.parse, gpt_oss.GptOssForCausalLM),
-    "LlamaForCausalLM": Family(llama.parse, llama.LlamaForCausalLM),
-    "Qwen3ForCausalLM": Family(qwen3.parse, qwen3.Qwen3ForCausalLM),
-    "Qwen3MoeForCausalLM": Family(qwen3.parse_moe, qwen3.Qwen3MoeForCausalLM),
-    "Gemma3ForCausalLM": Family(gemma3.parse, gemma3.Gemma3ForCausalLM),
+    "GptOssForCausalLM": Family(hf_config.parse_gpt_oss, "engine.model.gpt_oss:GptOssForCausalLM"),
+    "LlamaForCausalLM": Family(hf_config.parse_llama, "engine.model.llama:LlamaForCausalLM"),
+    "Qwen3ForCausalLM": Family(hf_config.parse_qwen3, "engine.model.qwen3:Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": Family(hf_config.parse_qwen3_moe, "engine.model.qwen3:Qwen3MoeForCausalLM"),
+    "Gemma3ForCausalLM": Family(hf_config.parse_gemma3, "engine.model.gemma3:Gemma3ForCausalLM"),
 }
 # config.json files without ``architectures`` (older exports) name the family by model_type only.
 MODEL_TYPES = {"gpt_oss": "GptOssForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -40,5 +47,11 @@ def parse_hf_config(d: dict) -> ModelConfig:
         raise ValueError(f"config.json: field {e.args[0]!r} is missing ({arch})") from None
 
 
+def model_class(architecture: str) -> type[CausalLM]:
+    """The family's model class (its module imported now)."""
+    module, name = ARCHITECTURES[architecture].model.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def build_model(cfg: ModelConfig) -> CausalLM:
-    return ARCHITECTURES[cfg.architecture].model(cfg)
+    return model_class(cfg.architecture)(cfg)
