@@ -134,7 +134,7 @@ def expected_swa_factor(wl: WorkloadConfig) -> dict:
     bench/multiturn_offline ((full*S + swa*(W + page)) / ((full + swa) * S)), for one window kept per
     conversation and for one kept per round (each round's insert leaves its last window behind)."""
     from engine.model.config import ModelConfig
-    from engine.model.loader import resolve_model_path
+    from engine.model.checkpoint import resolve_model_path
     mc = ModelConfig.from_dir(resolve_model_path("strata-tiny"))
     full, swa, w, ps = len(mc.full_layers), len(mc.sliding_layers), mc.sliding_window, 16
     s = wl.request_length + (wl.num_rounds - 1) * (wl.sub_question_length + wl.output_length)

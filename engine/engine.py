@@ -11,7 +11,8 @@ from typing import Sequence, Union
 import torch
 
 from engine.config import EngineConfig, model_id
-from engine.model.loader import load_config, load_model, resolve_model_path
+from engine.model.checkpoint import resolve_model_path
+from engine.model.loader import load_config, load_model
 from engine.model.moe_dispatch import select_dispatch
 from engine.model import moe_slots
 from engine.model.tokenizer import TextTokenizer

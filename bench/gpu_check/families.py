@@ -15,7 +15,7 @@ FAMILIES = ("strata-tiny", "gpt_oss_mxfp4", "llama", "qwen3", "qwen3_moe", "gemm
 def _family_checkpoint(name: str, root: Path):
     """(checkpoint path, transformers' model on it) for a family of tests/models/families.py."""
     if name == "strata-tiny":
-        from engine.model.loader import ensure_tiny
+        from engine.model.checkpoint import ensure_tiny
         from tests.unit.hf_ref import load_hf
         path = ensure_tiny()
         return path, load_hf(path)

@@ -1,6 +1,6 @@
 """Each family's ``config.json`` parser, and what they share (engine/model/registry.py picks one by
-``architectures``). Plain Python, no torch: the launcher, the router and the storage actor read a
-checkpoint's layer spec here without loading the model's modules (the family files, engine/model/*.py).
+``architectures``). Plain Python, no torch: the launcher reads a checkpoint's layer spec here without
+loading the families' model modules (engine/model/<family>.py).
 
 Both the layouts that transformers 5 writes (``rope_parameters``, per layer type for Gemma 3) and the
 older ones that released checkpoints carry (``rope_theta`` + ``rope_scaling``, Gemma 3's

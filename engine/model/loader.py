@@ -1,5 +1,6 @@
-"""Loading Hugging Face checkpoints (config.json + safetensors, sharded or not) and generating the
-seeded ``strata-tiny`` model on first use, so nothing is ever downloaded."""
+"""Loading Hugging Face checkpoints (config.json + safetensors, sharded or not), and the seeded
+``strata-tiny`` model's config and weights (engine/model/checkpoint.py finds a checkpoint, and makes
+strata-tiny's on first use, so nothing is ever downloaded)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +10,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.model.checkpoint import TINY_NAME, ensure_tiny, resolve_model_path, strata_home  # noqa: F401
 from engine.model.config import FULL_ATTN, SLIDING, ModelConfig, RopeConfig
 from engine.model.convert import to_strata
 from engine.model.generation_config import generation_eos

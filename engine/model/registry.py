@@ -4,8 +4,8 @@ class. Each family declares its layer spec (per layer: full or sliding, and the 
 that spec (storage/geometry.py ``KVGeometry``), never from a model name.
 
 The parsers are plain Python (engine/model/hf_config.py); a family's module (its model class, and torch
-with it) is imported only when a model is built, so the processes that only read a checkpoint's layer
-spec (the launcher, the router) never load torch."""
+with it) is imported only when a model is built, so the launcher (``strata serve``, a RayJob's driver),
+which reads only a checkpoint's layer spec, never loads torch."""
 from __future__ import annotations
 
 import importlib

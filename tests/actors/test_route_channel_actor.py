@@ -13,7 +13,7 @@ import time
 import pytest
 
 from cluster import launch  # sets the Ray environment (loopback, no token auth) on import
-from engine.model.loader import resolve_model_path
+from engine.model.checkpoint import resolve_model_path
 
 ray = pytest.importorskip("ray")
 

@@ -217,7 +217,7 @@ def _kv_bytes_per_token_layer(overlay: str, cfg: ClusterConfig) -> tuple[int, in
     """(full layers, sliding layers, K+V bytes per token and layer, weight bytes) of the overlay's model."""
     if cfg.engine.model == "strata-tiny":
         from engine.model.config import ModelConfig
-        from engine.model.loader import resolve_model_path
+        from engine.model.checkpoint import resolve_model_path
         path = resolve_model_path("strata-tiny")
         mc = ModelConfig.from_dir(path)
         weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))

@@ -16,7 +16,7 @@ from schemathesis import checks
 from actors.http_api import build_app
 from cluster.config import load_config
 from engine.model.config import ModelConfig
-from engine.model.loader import resolve_model_path
+from engine.model.checkpoint import resolve_model_path
 from tests.reliability.harness import DEFAULT_CONFIG
 
 pytestmark = pytest.mark.slow   # the real cluster: `make test` runs it, `make test-fast` does not

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.model.loader import resolve_model_path
+from engine.model.checkpoint import resolve_model_path
 from storage.transfer import TransferConfig
 from storage.transfer.base import Receipt
 from tests import numerics
