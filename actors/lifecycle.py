@@ -113,13 +113,57 @@ _ALL_INTERFACES = (("bind :{{ config.metrics_port }}", "bind {{ config.frontend_
 _REUSE = ("http-reuse always", "http-reuse safe")
 
 
+# What HAProxy itself answers when no replica does: Ray's template sends one text/plain "500 Internal Server
+# Error" file for its 502 (the replica closed the connection before answering: it died or stopped with the
+# request in flight), 503 (no replica to send it to) and 504. strata keeps each status, answers it in the
+# API's error shape like every other error, and says when to retry: HTTP clients that retry (the OpenAI SDK,
+# urllib3's usual status list) then retry at once, with a message that says what happened.
+FRONT_ERRORS = {
+    502: ("the ingress replica closed the connection before answering (it stopped or failed); "
+          "the request can be sent again", 1),
+    503: ("no ingress replica can take the request now (starting, restarting or stopping)", 2),
+    504: ("the ingress replica did not answer in time", 1),
+}
+_SERVE_500_COMMENT = ("    # Normalize 502/503/504 to 500 per Serve's default behavior. 503\n"
+                      "    # covers HAProxy's own \"all retries exhausted / no server\" response.")
+_ERRORFILE = re.compile(r"errorfile (50[234]) \{\{ config\.error_file_path \}\}")
+
+
+def front_error_body(status: int) -> dict:
+    """The JSON HAProxy sends for ``status`` (502, 503, 504): OpenAI's error object, as the app's errors."""
+    from actors.openai_errors import body
+    return body(FRONT_ERRORS[status][0], status)
+
+
+def _http_error(m: re.Match) -> str:
+    status = int(m.group(1))
+    text = json.dumps(front_error_body(status), separators=(",", ":")).replace('"', '\\"')
+    return (f'http-error status {status} content-type application/json string "{text}" '
+            f"hdr retry-after {FRONT_ERRORS[status][1]}")
+
+
+def json_front_errors(template: str) -> str:
+    """Ray's HAProxy config template with HAProxy's own 502/503/504 answered by ``front_error_body`` (JSON,
+    Retry-After) instead of its text/plain 500 file. Raises ValueError where the template has no such lines
+    (another Ray)."""
+    out, n = _ERRORFILE.subn(_http_error, template)
+    if n != len(FRONT_ERRORS):
+        raise ValueError(f"Ray's HAProxy template has {n} of the 3 errorfile lines strata replaces")
+    return out.replace(_SERVE_500_COMMENT, "    # strata: HAProxy's own 502/503/504 as JSON (actors/lifecycle.py)")
+
+
 def strata_haproxy_template(template: str) -> str:
     """Ray's HAProxy config template as strata runs it: ``starting_instead_of_no_route``, HAProxy's side
-    listeners bound where its HTTP front is (loopback for `make run`, every interface on a pod), and
-    server connections reused only where a dying replica cannot drop a client's request silently."""
+    listeners bound where its HTTP front is (loopback for `make run`, every interface on a pod), server
+    connections reused only where a dying replica cannot drop a client's request silently, and HAProxy's
+    own errors in the API's shape (``json_front_errors``; where Ray's template differs, its file stays)."""
     out = starting_instead_of_no_route(template)
     for old, new in (*_ALL_INTERFACES, _REUSE):
         out = out.replace(old, new)
+    try:
+        out = json_front_errors(out)
+    except ValueError as e:
+        logging.getLogger("ray.serve").warning("strata: HAProxy keeps its text/plain 500 for 502-504: %s", e)
     return out
 
 

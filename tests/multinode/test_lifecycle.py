@@ -5,10 +5,12 @@ process exits 0 without a traceback, and no process of the Ray cluster it starte
 
 The cluster lives in its own RAY_TMPDIR, and only processes started under it are stopped if a test fails:
 never `ray stop`, which would end every Ray cluster on the machine."""
+import contextlib
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -131,49 +133,114 @@ def test_haproxy_template_reuses_server_connections_safely():
         haproxy.HAPROXY_CONFIG_TEMPLATE.count("http-reuse always")
 
 
-def test_haproxy_answers_starting_for_a_path_no_app_routes(tmp_path, monkeypatch):
-    """Ray's own HAProxy config, as its HAProxyManager renders it before any application is deployed, with
-    the no-route answer rewritten, run by Ray's HAProxy binary: /health (any path) is 503 STARTING in JSON;
-    HAProxy's own /-/healthz is untouched; its side listeners (Prometheus, stats) are on loopback too."""
+@contextlib.contextmanager
+def _ray_haproxy(extra: str = ""):
+    """Ray's own HAProxy config, as its HAProxyManager renders it before any application is deployed, from
+    strata's template, plus ``extra`` sections (formatted with ``d``, the config's directory), run by Ray's
+    HAProxy binary. Yields (the config object, HAProxy's HTTP port) once that port answers."""
     from ray.serve._private import haproxy
     from ray.serve.config import HTTPOptions
     from actors.lifecycle import strata_haproxy_template
-    from tests.util import free_port
 
-    monkeypatch.setattr(haproxy, "HAPROXY_CONFIG_TEMPLATE", strata_haproxy_template(haproxy.HAPROXY_CONFIG_TEMPLATE))
     port = free_port()
     d = tempfile.mkdtemp(prefix="hap", dir="/tmp")
+    template = haproxy.HAPROXY_CONFIG_TEMPLATE
     try:
+        haproxy.HAPROXY_CONFIG_TEMPLATE = strata_haproxy_template(template)
         api = haproxy.HAProxyApi(haproxy.HAProxyConfig(
             http_options=HTTPOptions(host="127.0.0.1", port=port), socket_path=f"{d}/admin.sock",
             server_state_base=d, server_state_file=f"{d}/state", metrics_port=free_port(),
             stats_port=free_port(), metrics_socket_path=f"{d}/metrics.sock", metrics_enabled=False,
             is_head=True, has_received_routes=True), config_file_path=f"{d}/haproxy.cfg")
         api._generate_config_file_internal()
+    finally:
+        haproxy.HAPROXY_CONFIG_TEMPLATE = template
+    try:
+        with open(f"{d}/haproxy.cfg", "a") as f:
+            f.write(extra)
         proc = subprocess.Popen([haproxy.get_haproxy_binary(), "-db", "-f", f"{d}/haproxy.cfg"],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 30
             while True:
                 try:
-                    r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+                    httpx.get(f"http://127.0.0.1:{port}/-/healthz", timeout=5)
                     break
                 except httpx.TransportError:
                     assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()
                     time.sleep(0.1)
-            assert r.status_code == 503 and r.json() == STARTING and r.headers["retry-after"] == "2"
-            assert r.headers["content-type"] == "application/json"
-            assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json() == STARTING
-            hz = httpx.get(f"http://127.0.0.1:{port}/-/healthz", timeout=5)
-            assert (hz.status_code, hz.text) == (200, "success")
-            conf = open(f"{d}/haproxy.cfg").read()
-            assert f"bind 127.0.0.1:{api.cfg.metrics_port}\n" in conf and f"bind 127.0.0.1:{api.cfg.stats_port}\n" in conf
-            assert httpx.get(f"http://127.0.0.1:{api.cfg.metrics_port}/metrics", timeout=5).status_code == 200
+            yield api.cfg, port, d
         finally:
             proc.kill()
             proc.wait(10)
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_haproxy_answers_starting_for_a_path_no_app_routes():
+    """/health (any path) is 503 STARTING in JSON; HAProxy's own /-/healthz is untouched; its side
+    listeners (Prometheus, stats) are on loopback too."""
+    with _ray_haproxy() as (cfg, port, d):
+        r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        assert r.status_code == 503 and r.json() == STARTING and r.headers["retry-after"] == "2"
+        assert r.headers["content-type"] == "application/json"
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json() == STARTING
+        hz = httpx.get(f"http://127.0.0.1:{port}/-/healthz", timeout=5)
+        assert (hz.status_code, hz.text) == (200, "success")
+        conf = open(f"{d}/haproxy.cfg").read()
+        assert f"bind 127.0.0.1:{cfg.metrics_port}\n" in conf and f"bind 127.0.0.1:{cfg.stats_port}\n" in conf
+        assert httpx.get(f"http://127.0.0.1:{cfg.metrics_port}/metrics", timeout=5).status_code == 200
+
+
+def test_haproxy_answers_a_replica_lost_mid_request_in_the_api_s_error_shape():
+    """HAProxy's own answers when no replica answers, under the ``defaults`` of Ray's template as strata
+    rewrites it: a replica that closes the connection with the request in flight (it died) is a 502, a
+    backend with no replica to connect to a 503; each JSON in OpenAI's error shape with Retry-After, where
+    Ray's template sends a text/plain "500 Internal Server Error" for both."""
+    from ray.serve._private import haproxy
+    import openai
+    from actors.lifecycle import front_error_body, json_front_errors
+
+    assert "500.http" not in json_front_errors(haproxy.HAPROXY_CONFIG_TEMPLATE)
+    closer = socket.create_server(("127.0.0.1", 0))   # a replica that dies with each request in flight
+    refused = free_port()                               # a replica that is gone
+
+    def close_each():
+        while True:
+            try:
+                c, _ = closer.accept()
+            except OSError:
+                return
+            with c:
+                buf = b""
+                while b"\r\n\r\n" not in buf and (chunk := c.recv(65536)):
+                    buf += chunk
+    threading.Thread(target=close_each, daemon=True).start()
+    front = free_port()
+    extra = f"""
+frontend strata_test
+    bind 127.0.0.1:{front}
+    use_backend gone if {{ path_beg /gone }}
+    default_backend dies
+backend dies
+    server r1 127.0.0.1:{closer.getsockname()[1]}
+backend gone
+    server r1 127.0.0.1:{refused}
+"""
+    try:
+        with _ray_haproxy(extra):
+            for path, status, retry in (("/v1/completions", 502, "1"), ("/gone/generate", 503, "2")):
+                r = httpx.post(f"http://127.0.0.1:{front}{path}", json={"prompt": "hi"}, timeout=30)
+                assert (r.status_code, r.headers["content-type"], r.headers["retry-after"]) == \
+                    (status, "application/json", retry), (r.status_code, r.headers, r.text)
+                assert r.json() == front_error_body(status) and r.json()["error"]["code"] == status
+            # the official client reads it as the server's error, its message included
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{front}/v1", api_key="-", max_retries=0)
+            with pytest.raises(openai.InternalServerError) as e:
+                client.completions.create(model="m", prompt="hi", max_tokens=1)
+            assert e.value.status_code == 502 and "closed the connection before answering" in e.value.message
+    finally:
+        closer.close()
 
 
 def test_signals_raise_while_starting_then_only_count():

@@ -136,7 +136,7 @@ def ingress_replicas() -> list:
     return out
 
 
-@fault("kill_ingress", "the HTTP connections of in-flight requests close (or get 5xx from the proxy) at "
+@fault("kill_ingress", "the HTTP connections of in-flight requests close (or get HAProxy's JSON 502) at "
                        "once; Serve starts a new replica and serves again")
 def kill_ingress(ctx: Ctx) -> Healed:
     names = ingress_replicas()
@@ -450,6 +450,10 @@ def run_under_load(ctx: Ctx, name: str, load: Load | None = None, warmup_s: floa
         clean = o.status == 503 or sse_error or \
             (healed.connection_errors_ok and (o.detail.startswith("connection") or o.status >= 500))
         assert clean, f"{name}: unclean failure status={o.status} {o.detail!r}"
+        # An HTTP error, from the app or from HAProxy for a replica that died, says what happened in JSON
+        # (the API's error shape), never a bare text page.
+        answered = o.status != 200 and not o.detail.startswith("connection")
+        assert not answered or o.detail.startswith("{"), f"{name}: an error not in JSON: {o.status} {o.detail!r}"
     if healed.no_errors:
         assert not errors, f"{name}: {len(errors)} requests failed: {[o.detail for o in errors[:3]]}"
     # Once healed (plus a grace for requests routed before), everything succeeds again.
