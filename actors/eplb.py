@@ -222,17 +222,33 @@ def _balance(rank_load: torch.Tensor) -> torch.Tensor:
 
 @ray.remote(max_restarts=-1, max_task_retries=-1, max_concurrency=4)
 class EplbRebalancerActor:
-    """Runs ``EplbRebalancer`` on its schedule against the workers ({worker_id: WorkerActor handle})."""
+    """Runs ``EplbRebalancer`` on its schedule against the workers, named by id and looked up by their actor
+    names in ``namespace``. Names, not handles: Ray keeps an actor's constructor arguments that hold
+    handles in its creator's object store, and a restart after that creator (the launcher, a RayJob's
+    driver) has gone would fail."""
 
-    def __init__(self, cfg: EplbConfig, workers: dict, num_layers: int, num_logical: int,
-                 call_timeout: float = 60.0) -> None:
-        self.cfg, self.workers, self.timeout = cfg, dict(workers), call_timeout
+    def __init__(self, cfg: EplbConfig, workers: list[str], num_layers: int, num_logical: int,
+                 namespace: str, call_timeout: float = 60.0) -> None:
+        self.cfg, self.namespace, self.timeout = cfg, namespace, call_timeout
+        self.worker_ids = list(workers)
+        self.workers: dict = {}
+        self._look_up()
         self.logic = EplbRebalancer(cfg, num_layers, num_logical, time.monotonic())
         self._lock = threading.Lock()
         self._status = self.logic.status()   # a snapshot, so status() never waits for a cycle
         self._stop = threading.Event()
         # A thread started here, so a restarted actor resumes its schedule without anyone calling it.
         threading.Thread(target=self._loop, name="strata-eplb", daemon=True).start()
+
+    def _look_up(self) -> None:
+        """Handles of the workers not looked up yet (one restarting is found on a later cycle)."""
+        from actors.worker import actor_name
+        for w in self.worker_ids:
+            if w not in self.workers:
+                try:
+                    self.workers[w] = ray.get_actor(actor_name(w), namespace=self.namespace)
+                except ValueError as e:
+                    log.warning("eplb: worker %s not found: %s", w, e)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.cfg.collect_seconds):
@@ -256,6 +272,7 @@ class EplbRebalancerActor:
         return self._gather({w: self.workers[w].apply_placement.remote(phy2log) for w in workers})
 
     def _cycle(self, force: bool) -> dict | None:
+        self._look_up()
         readings = self._gather({w: h.expert_load.remote() for w, h in self.workers.items()})
         readings = {w: r for w, r in readings.items() if r is not None}
         stale = self.logic.observe(readings, time.monotonic())
@@ -289,11 +306,13 @@ class EplbRebalancerActor:
         self._stop.set()
 
 
-def start_rebalancer(cfg: EplbConfig, workers: dict, num_layers: int, num_logical: int,
-                     detached: bool = False, namespace: str | None = None):
+def start_rebalancer(cfg: EplbConfig, workers, num_layers: int, num_logical: int,
+                     detached: bool = False, namespace: str | None = None, name: str = ACTOR_NAME):
     """Starts (or finds) the ``strata-eplb`` actor in ``namespace`` (None: the caller's); returns its
-    handle. The cluster's namespace even from a Serve app builder's task, so ``strata rebalance`` finds it."""
+    handle. ``workers``: the worker ids (a dict's keys). The cluster's namespace even from a Serve app
+    builder's task, so ``strata rebalance`` finds it."""
     life = {"lifetime": "detached"} if detached else {}
-    return EplbRebalancerActor.options(name=ACTOR_NAME, namespace=namespace, num_cpus=0, get_if_exists=True,
+    ns = namespace or ray.get_runtime_context().namespace
+    return EplbRebalancerActor.options(name=name, namespace=ns, num_cpus=0, get_if_exists=True,
                                        **life).remote(
-        cfg, workers, num_layers, num_logical)
+        cfg, list(workers), num_layers, num_logical, ns)

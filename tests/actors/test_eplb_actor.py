@@ -139,3 +139,38 @@ def test_strata_rebalance_without_a_rebalancer(tmp_path, capsys):
     cfg.write_text("ray: {namespace: strata-nobody-here}\n")
     assert cli.main(["rebalance", "--config", str(cfg)]) == 1
     assert "no EPLB rebalancer" in capsys.readouterr().err
+
+
+def test_the_rebalancer_restarts_without_its_creators_objects(cluster, capfd):
+    """``start_rebalancer`` names the workers by id, not by handle: Ray keeps constructor arguments that
+    hold actor handles in the creator's object store (and says so on stderr), so a restart after the
+    creator (the launcher, a RayJob's driver) has gone would fail. A second rebalancer made the same way
+    (its schedule idle: it must not push placements beside strata-eplb) gets no such warning, is killed,
+    comes back and finds every worker by name."""
+    import ray
+    from actors.eplb import start_rebalancer
+    mc = cluster["model_config"]
+    eplb = dataclasses.replace(load_config(CONFIG).engine.eplb, auto=False, collect_seconds=3600.0)
+    capfd.readouterr()
+    a = start_rebalancer(eplb, cluster["workers"], len(mc.moe_layer_ids), mc.num_local_experts,
+                         name="strata-eplb-restart-test")
+    try:
+        ray.get(a.status.remote(), timeout=60)
+        time.sleep(0.5)   # Ray's core worker writes its warning as the creation task is submitted
+        assert "constructor arguments in the object store" not in capfd.readouterr().err
+        pid = ray.get(a.__ray_call__.remote(lambda self: __import__("os").getpid()), timeout=60)
+        ray.kill(a, no_restart=False)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                new_pid, found = ray.get(a.__ray_call__.remote(
+                    lambda self: (__import__("os").getpid(), sorted(self.workers))), timeout=10)
+                if new_pid != pid:
+                    break
+            except ray.exceptions.RayError:
+                pass
+            assert time.monotonic() < deadline, "the rebalancer did not restart"
+            time.sleep(0.2)
+        assert found == sorted(cluster["workers"])
+    finally:
+        ray.kill(a, no_restart=True)
