@@ -29,6 +29,7 @@ from engine.eplb import (EplbConfig, LoadWindow, Placement, align_placement, bal
 log = logging.getLogger("strata.eplb")
 
 ACTOR_NAME = "strata-eplb"
+WORKERS_REFRESH_S = 5.0    # how often the rebalancer asks the router which workers there are
 
 
 @dataclass
@@ -133,6 +134,12 @@ class EplbRebalancer:
         self.rank_window = self.rank_window.push(self.rank_load, now)
         return stale
 
+    def forget(self, workers: set[str]) -> None:
+        """Drops what was kept of ``workers`` (scaled in): one of their ids added again starts from zero."""
+        for w in workers:
+            self.prev.pop(w, None)
+            self.rank_moe_seconds.pop(w, None)
+
     def due(self, now: float) -> bool:
         return self.cfg.auto and self.cfg.is_due(now, self.steps, self.last_time, self.last_step)
 
@@ -225,13 +232,15 @@ class EplbRebalancerActor:
     """Runs ``EplbRebalancer`` on its schedule against the workers, named by id and looked up by their actor
     names in ``namespace``. Names, not handles: Ray keeps an actor's constructor arguments that hold
     handles in its creator's object store, and a restart after that creator (the launcher, a RayJob's
-    driver) has gone would fail."""
+    driver) has gone would fail. ``router``: the router actor's name; the workers it knows (``strata
+    scale`` adds and removes them) replace ``workers`` every ``WORKERS_REFRESH_S``."""
 
     def __init__(self, cfg: EplbConfig, workers: list[str], num_layers: int, num_logical: int,
-                 namespace: str, call_timeout: float = 60.0) -> None:
-        self.cfg, self.namespace, self.timeout = cfg, namespace, call_timeout
+                 namespace: str, router: str | None = None, call_timeout: float = 60.0) -> None:
+        self.cfg, self.namespace, self.router, self.timeout = cfg, namespace, router, call_timeout
         self.worker_ids = list(workers)
         self.workers: dict = {}
+        self._refresh_at = 0.0
         self._look_up()
         self.logic = EplbRebalancer(cfg, num_layers, num_logical, time.monotonic())
         self._lock = threading.Lock()
@@ -241,8 +250,20 @@ class EplbRebalancerActor:
         threading.Thread(target=self._loop, name="strata-eplb", daemon=True).start()
 
     def _look_up(self) -> None:
-        """Handles of the workers not looked up yet (one restarting is found on a later cycle)."""
+        """The workers the router knows now (at most every WORKERS_REFRESH_S), and the handles of those not
+        looked up yet (one restarting is found on a later cycle)."""
         from actors.worker import actor_name
+        now = time.monotonic()
+        if self.router is not None and now >= self._refresh_at:
+            self._refresh_at = now + WORKERS_REFRESH_S
+            try:
+                st = ray.get(ray.get_actor(self.router, namespace=self.namespace).status.remote(),
+                             timeout=self.timeout)
+                self.worker_ids = sorted(w for w in st["workers"] if w not in st["removed"])
+            except Exception as e:  # noqa: BLE001 - a restarting router: the last list stands
+                log.warning("eplb: the router's workers are unknown for now: %r", e)
+        for w in set(self.workers) - set(self.worker_ids):
+            del self.workers[w]
         for w in self.worker_ids:
             if w not in self.workers:
                 try:
@@ -273,6 +294,7 @@ class EplbRebalancerActor:
 
     def _cycle(self, force: bool) -> dict | None:
         self._look_up()
+        self.logic.forget(set(self.logic.prev) - set(self.worker_ids))
         readings = self._gather({w: h.expert_load.remote() for w, h in self.workers.items()})
         readings = {w: r for w, r in readings.items() if r is not None}
         stale = self.logic.observe(readings, time.monotonic())
@@ -307,12 +329,14 @@ class EplbRebalancerActor:
 
 
 def start_rebalancer(cfg: EplbConfig, workers, num_layers: int, num_logical: int,
-                     detached: bool = False, namespace: str | None = None, name: str = ACTOR_NAME):
+                     detached: bool = False, namespace: str | None = None, name: str = ACTOR_NAME,
+                     router: str | None = None):
     """Starts (or finds) the ``strata-eplb`` actor in ``namespace`` (None: the caller's); returns its
-    handle. ``workers``: the worker ids (a dict's keys). The cluster's namespace even from a Serve app
-    builder's task, so ``strata rebalance`` finds it."""
+    handle. ``workers``: the worker ids (a dict's keys); ``router``: the router actor's name, whose
+    workers it follows. The cluster's namespace even from a Serve app builder's task, so ``strata
+    rebalance`` finds it."""
     life = {"lifetime": "detached"} if detached else {}
     ns = namespace or ray.get_runtime_context().namespace
     return EplbRebalancerActor.options(name=name, namespace=ns, num_cpus=0, get_if_exists=True,
                                        **life).remote(
-        cfg, list(workers), num_layers, num_logical, ns)
+        cfg, list(workers), num_layers, num_logical, ns, router)

@@ -253,7 +253,8 @@ def start_actors(cfg: ClusterConfig, detached: bool = False, ready_timeout: floa
     eplb = None
     if cfg.engine.eplb is not None:
         from actors.eplb import start_rebalancer   # its placement logic is torch's: loaded only where it runs
-        eplb = start_rebalancer(cfg.engine.eplb, workers, len(mc.moe_layer_ids), mc.num_local_experts, detached, ns)
+        eplb = start_rebalancer(cfg.engine.eplb, workers, len(mc.moe_layer_ids), mc.num_local_experts, detached, ns,
+                                router=ROUTER_ACTOR)
     s = cfg.server
     return {"router": router, "workers": workers, "engine_config": engine_cfg,
             "url": f"http://{s.host}:{s.port}", "model_path": str(path), "model_config": mc,

@@ -35,7 +35,7 @@ def cluster(tmp_path_factory):
     cfg = dataclasses.replace(cfg, engine=engine, server=dataclasses.replace(cfg.server, port=free_port()))
     launch.init_ray(cfg)
     handles = launch.deploy(cfg)
-    yield handles
+    yield {**handles, "cfg": cfg}
     launch.shutdown(handles)
     ray.shutdown()
 
@@ -141,6 +141,37 @@ def test_strata_rebalance_without_a_rebalancer(tmp_path, capsys):
     assert "no EPLB rebalancer" in capsys.readouterr().err
 
 
+def test_the_rebalancer_follows_the_workers_strata_scale_adds_and_removes(cluster):
+    """A prefill worker added by `strata scale`: within the rebalancer's refresh from the router it is read
+    and given the cluster's current placement; scaled in again, it is dropped."""
+    import ray
+    from actors.eplb import WORKERS_REFRESH_S
+    from cluster.scale import scale
+    eplb = cluster["eplb"]
+
+    def known() -> list[str]:
+        return ray.get(eplb.__ray_call__.remote(lambda self: sorted(self.workers)), timeout=60)
+
+    def wait(what, cond) -> None:
+        deadline = time.monotonic() + WORKERS_REFRESH_S + 60
+        while not cond():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.2)
+
+    out = scale(cluster["cfg"], {"prefill": 2})
+    try:
+        assert out.added == ["prefill-1"], out
+        wait("the new worker is not followed", lambda: "prefill-1" in known())
+        new = ray.get_actor("strata-prefill-1", namespace=cluster["cfg"].ray.namespace)
+        wait("the new worker did not get the current placement", lambda: torch.equal(
+            torch.as_tensor(ray.get(new.expert_load.remote(), timeout=60)["phy2log"]),
+            torch.as_tensor(_status(cluster)["phy2log"])))
+    finally:
+        back = scale(cluster["cfg"], {"prefill": 1})
+    assert back.removed == ["prefill-1"]
+    wait("the removed worker is still followed", lambda: known() == ["decode-0", "prefill-0"])
+
+
 def test_the_rebalancer_restarts_without_its_creators_objects(cluster, capfd):
     """``start_rebalancer`` names the workers by id, not by handle: Ray keeps constructor arguments that
     hold actor handles in the creator's object store (and says so on stderr), so a restart after the
@@ -153,7 +184,7 @@ def test_the_rebalancer_restarts_without_its_creators_objects(cluster, capfd):
     eplb = dataclasses.replace(load_config(CONFIG).engine.eplb, auto=False, collect_seconds=3600.0)
     capfd.readouterr()
     a = start_rebalancer(eplb, cluster["workers"], len(mc.moe_layer_ids), mc.num_local_experts,
-                         name="strata-eplb-restart-test")
+                         name="strata-eplb-restart-test", router="strata-router")
     try:
         ray.get(a.status.remote(), timeout=60)
         time.sleep(0.5)   # Ray's core worker writes its warning as the creation task is submitted

@@ -94,6 +94,19 @@ def test_interval_steps_summed_over_workers_and_restarts():
     assert rb.plan(2.0).apply
 
 
+def test_a_worker_scaled_in_and_its_id_added_again_counts_from_zero():
+    rb = EplbRebalancer(cfg(), L, E, now=0.0)
+    a, b = FakeWorker(), FakeWorker()
+    rb.observe({"a": a.run(SKEW, steps=50).reading(), "b": b.run(EVEN, steps=50).reading()}, 1.0)
+    rb.forget({"b"})
+    assert set(rb.prev) == {"a"}
+    # a new worker under b's id, fewer steps counted than the old one had: not a negative interval
+    b2 = FakeWorker().run(EVEN * 2, steps=60)
+    rb.observe({"a": a.run(SKEW, steps=1).reading(), "b": b2.reading()}, 2.0)
+    assert torch.equal(rb.window.entries[-1][1], SKEW + EVEN * 2) and rb.steps == 100 + 1 + 60
+    rb.forget({"nobody"})
+
+
 def test_manual_trigger_when_auto_is_off():
     rb = EplbRebalancer(cfg(auto=False, interval_seconds=0.001), L, E, now=0.0)
     w = FakeWorker()
