@@ -391,7 +391,7 @@ class RayBackend:
 
 
 def _find_eplb():
-    from actors.eplb import ACTOR_NAME
+    from actors.eplb_actor import ACTOR_NAME
     try:
         for a in ray.util.list_named_actors(all_namespaces=True):
             if a["name"] == ACTOR_NAME:

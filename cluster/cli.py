@@ -100,7 +100,7 @@ def _rebalance(args: argparse.Namespace) -> int:
     from cluster.config import load_config
     import ray
 
-    from actors.eplb import ACTOR_NAME
+    from actors.eplb_actor import ACTOR_NAME
     cfg = load_config(args.config)
     ns = cfg.ray.namespace
     started = False

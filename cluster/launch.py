@@ -252,7 +252,7 @@ def start_actors(cfg: ClusterConfig, detached: bool = False, ready_timeout: floa
     wk.wait_reported(router, workers, ready_timeout)
     eplb = None
     if cfg.engine.eplb is not None:
-        from actors.eplb import start_rebalancer   # its placement logic is torch's: loaded only where it runs
+        from actors.eplb_actor import start_rebalancer
         eplb = start_rebalancer(cfg.engine.eplb, workers, len(mc.moe_layer_ids), mc.num_local_experts, detached, ns,
                                 router=ROUTER_ACTOR)
     s = cfg.server

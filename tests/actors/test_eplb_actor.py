@@ -145,7 +145,7 @@ def test_the_rebalancer_follows_the_workers_strata_scale_adds_and_removes(cluste
     """A prefill worker added by `strata scale`: within the rebalancer's refresh from the router it is read
     and given the cluster's current placement; scaled in again, it is dropped."""
     import ray
-    from actors.eplb import WORKERS_REFRESH_S
+    from actors.eplb_actor import WORKERS_REFRESH_S
     from cluster.scale import scale
     eplb = cluster["eplb"]
 
@@ -179,7 +179,7 @@ def test_the_rebalancer_restarts_without_its_creators_objects(cluster, capfd):
     (its schedule idle: it must not push placements beside strata-eplb) gets no such warning, is killed,
     comes back and finds every worker by name."""
     import ray
-    from actors.eplb import start_rebalancer
+    from actors.eplb_actor import start_rebalancer
     mc = cluster["model_config"]
     eplb = dataclasses.replace(load_config(CONFIG).engine.eplb, auto=False, collect_seconds=3600.0)
     capfd.readouterr()

@@ -386,7 +386,7 @@ def slow_transfer(ctx: Ctx) -> Healed:
 
 
 @fault("eplb_rebalance", "a rebalance under load swaps expert placement between steps: no request fails, "
-                         "no token changes", needs="actors.eplb")
+                         "no token changes", needs="actors.eplb_actor")
 def eplb_rebalance(ctx: Ctx) -> Healed:
     eplb = _actor_or_skip("strata-eplb")
     ray.get(eplb.trigger.remote(), timeout=120)

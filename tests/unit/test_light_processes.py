@@ -1,7 +1,8 @@
 """The HTTP ingress and the router never load torch: each of their processes (every ingress replica, and
 each restart of one after a fault) would pay ~2 s of start and ~180 MiB for it. What they load is their
 own modules, the worker's actor module (Ray loads an actor's class in every process that receives a handle
-to it) and the cluster's settings they are given (unpickled, configs of every section).
+to it: the EPLB rebalancer's too, whose status an ingress reads for /metrics) and the cluster's settings
+they are given (unpickled, configs of every section). Nor does `strata rebalance`.
 
 Nor does the launcher (``strata serve``, a RayJob's driver), which reads the checkpoint's layer spec for
 the router and the L3 namespace: every family's config.json parser is plain Python
@@ -30,7 +31,7 @@ sys.meta_path.insert(0, Refuse())
 """
 CHILD = REFUSE + """
 import pickle
-import actors.ingress, actors.router, actors.worker
+import actors.ingress, actors.router, actors.worker, actors.eplb_actor, cluster.cli
 every = pickle.loads(sys.stdin.buffer.read())
 assert len(every) > 10 and all(s.engine.page_size > 0 for s in every)
 print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers")))
