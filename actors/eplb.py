@@ -23,7 +23,6 @@ from engine.eplb import (EplbConfig, LoadWindow, Placement, align_placement, bal
                          should_rebalance)
 
 
-
 @dataclass
 class Decision:
     """One evaluation: whether to apply ``placement``; balancedness per layer [L] of the current

@@ -34,8 +34,8 @@ class EplbRebalancerActor:
 
     def __init__(self, cfg: EplbConfig, workers: list[str], num_layers: int, num_logical: int,
                  namespace: str, router: str | None = None, call_timeout: float = 60.0) -> None:
+        from actors.eplb import EplbRebalancer   # torch: in this process only
         self.cfg, self.namespace, self.router, self.timeout = cfg, namespace, router, call_timeout
-        from actors.eplb import EplbRebalancer
         self.worker_ids = list(workers)
         self.workers: dict = {}
         self._refresh_at = 0.0
@@ -56,7 +56,7 @@ class EplbRebalancerActor:
             self._refresh_at = now + WORKERS_REFRESH_S
             try:
                 st = ray.get(ray.get_actor(self.router, namespace=self.namespace).status.remote(),
-                             timeout=self.timeout)
+                             timeout=min(self.timeout, 10.0))
                 self.worker_ids = sorted(w for w in st["workers"] if w not in st["removed"])
             except Exception as e:  # noqa: BLE001 - a restarting router: the last list stands
                 log.warning("eplb: the router's workers are unknown for now: %r", e)
