@@ -136,8 +136,8 @@ def test_haproxy_template_reuses_server_connections_safely():
 @contextlib.contextmanager
 def _ray_haproxy(extra: str = ""):
     """Ray's own HAProxy config, as its HAProxyManager renders it before any application is deployed, from
-    strata's template, plus ``extra`` sections (formatted with ``d``, the config's directory), run by Ray's
-    HAProxy binary. Yields (the config object, HAProxy's HTTP port) once that port answers."""
+    strata's template, with ``extra`` sections appended (under the same ``defaults``), run by Ray's HAProxy
+    binary. Yields (the config object, HAProxy's HTTP port, the config's directory) once that port answers."""
     from ray.serve._private import haproxy
     from ray.serve.config import HTTPOptions
     from actors.lifecycle import strata_haproxy_template

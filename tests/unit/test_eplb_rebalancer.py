@@ -100,7 +100,8 @@ def test_a_worker_scaled_in_and_its_id_added_again_counts_from_zero():
     rb.observe({"a": a.run(SKEW, steps=50).reading(), "b": b.run(EVEN, steps=50).reading()}, 1.0)
     rb.forget({"b"})
     assert set(rb.prev) == {"a"}
-    # a new worker under b's id, fewer steps counted than the old one had: not a negative interval
+    # a new worker under b's id that has counted more steps than the old one had: not forgotten, it would
+    # read as the old one going on (its interval EVEN, 10 steps)
     b2 = FakeWorker().run(EVEN * 2, steps=60)
     rb.observe({"a": a.run(SKEW, steps=1).reading(), "b": b2.reading()}, 2.0)
     assert torch.equal(rb.window.entries[-1][1], SKEW + EVEN * 2) and rb.steps == 100 + 1 + 60
