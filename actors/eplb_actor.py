@@ -38,6 +38,7 @@ class EplbRebalancerActor:
         self.cfg, self.namespace, self.router, self.timeout = cfg, namespace, router, call_timeout
         self.worker_ids = list(workers)
         self.workers: dict = {}
+        self.absent: set[str] = set()   # workers missing or silent since they were last said to be
         self._refresh_at = 0.0
         self._look_up()
         self.logic = EplbRebalancer(cfg, num_layers, num_logical, time.monotonic())
@@ -62,12 +63,24 @@ class EplbRebalancerActor:
                 log.warning("eplb: the router's workers are unknown for now: %r", e)
         for w in set(self.workers) - set(self.worker_ids):
             del self.workers[w]
+        self.absent &= set(self.worker_ids)
         for w in self.worker_ids:
             if w not in self.workers:
                 try:
                     self.workers[w] = ray.get_actor(actor_name(w), namespace=self.namespace)
                 except ValueError as e:
-                    log.warning("eplb: worker %s not found: %s", w, e)
+                    self._gone(w, f"not found: {e}")
+
+    def _gone(self, w: str, why: str) -> None:
+        # Once per absence: a worker restarting or not yet made would otherwise log on every collection.
+        if w not in self.absent:
+            self.absent.add(w)
+            log.warning("eplb: worker %s %s (not said again until it answers)", w, why)
+
+    def _back(self, w: str) -> None:
+        if w in self.absent:
+            self.absent.discard(w)
+            log.warning("eplb: worker %s answers again", w)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.cfg.collect_seconds):
@@ -84,7 +97,11 @@ class EplbRebalancerActor:
             try:
                 out[w] = ray.get(ref, timeout=self.timeout)
             except Exception as e:
-                log.warning("eplb: worker %s did not answer: %r", w, e)
+                self._gone(w, f"did not answer: {e!r}")
+                if isinstance(e, ray.exceptions.ActorDiedError):
+                    self.workers.pop(w, None)   # looked up by name again: a worker made anew under it
+            else:
+                self._back(w)
         return out
 
     def _push(self, phy2log: torch.Tensor, workers: list[str]) -> dict:

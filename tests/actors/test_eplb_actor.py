@@ -205,3 +205,84 @@ def test_the_rebalancer_restarts_without_its_creators_objects(cluster, capfd):
         assert found == sorted(cluster["workers"])
     finally:
         ray.kill(a, no_restart=True)
+
+
+
+def test_a_worker_missing_or_dead_is_said_once_and_found_again_by_name(cluster):
+    """A worker the rebalancer cannot find (not made yet) or read (dead) is logged once when it goes missing,
+    not on each collection (every 0.2 s here), and once when it answers again. A dead worker's handle is
+    dropped, so a worker made again under its name is found. The worker here is an actor of the worker's
+    name that answers the rebalancer's two calls: a real one may not be killed in this module's cluster, and
+    a rebalancer beside strata-eplb must not push its placement to the real workers."""
+    import ray
+    from actors.eplb_actor import start_rebalancer
+    mc = cluster["model_config"]
+    ns = cluster["cfg"].ray.namespace
+    eplb = dataclasses.replace(load_config(CONFIG).engine.eplb, auto=False, collect_seconds=0.2)
+    a = start_rebalancer(eplb, ["prefill-9"], len(mc.moe_layer_ids), mc.num_local_experts,
+                         name="strata-eplb-absent-test")
+    phy2log = ray.get(a.status.remote(), timeout=60)["phy2log"]
+    L, P = len(phy2log), len(phy2log[0])
+    reading = {"logical": [[0] * mc.num_local_experts] * L, "slot_counts": [[0] * P] * L, "phy2log": phy2log,
+               "steps": 0}
+
+    @ray.remote(num_cpus=0)
+    class Worker:
+        def expert_load(self):
+            return reading
+
+        def apply_placement(self, phy2log):
+            return {"moved_slots": 0, "seconds": 0.0}
+
+    def keep(self):
+        import logging
+        kept = self.kept = []
+
+        class Keep(logging.Handler):
+            def emit(self, record):
+                kept.append(record.getMessage())
+        logging.getLogger("strata.eplb").addHandler(Keep())
+        gather, self.reads = self._gather, 0
+
+        def counted(refs):   # once a collection
+            self.reads += 1
+            return gather(refs)
+        self._gather = counted
+        return sorted(self.absent)
+
+    def seen():
+        return ray.get(a.__ray_call__.remote(lambda self: ([m for m in self.kept if "prefill-9" in m],
+                                                           self.reads, sorted(self.absent))), timeout=60)
+
+    def wait(cond) -> tuple:
+        deadline = time.monotonic() + 30
+        while not cond(got := seen()):
+            assert time.monotonic() < deadline, got
+            time.sleep(0.1)
+        return got
+
+    def quiet(n_said: int) -> None:
+        _, before, _ = seen()
+        time.sleep(1.5)
+        said, after, _ = seen()
+        assert after - before >= 5, (before, after)
+        assert len(said) == n_said, said
+
+    w = None
+    try:
+        assert ray.get(a.__ray_call__.remote(keep), timeout=60) == ["prefill-9"]   # said by the constructor
+        quiet(0)
+        w = Worker.options(name="strata-prefill-9", namespace=ns).remote()
+        said, _, _ = wait(lambda g: g[2] == [])
+        assert len(said) == 1 and "answers again" in said[0], said
+        ray.kill(w, no_restart=True)
+        said, _, _ = wait(lambda g: g[2] == ["prefill-9"])
+        assert len(said) == 2 and "did not answer" in said[1], said
+        quiet(2)
+        w = Worker.options(name="strata-prefill-9", namespace=ns).remote()
+        said, _, _ = wait(lambda g: g[2] == [])
+        assert len(said) == 3 and "answers again" in said[2], said
+    finally:
+        ray.kill(a, no_restart=True)
+        if w is not None:
+            ray.kill(w, no_restart=True)
