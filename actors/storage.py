@@ -155,8 +155,8 @@ class StorageService:
 
     def status(self, worker_stats: list[dict] | None = None) -> dict:
         """Capacity, use and counts. ``worker_stats``: the workers' ``stats()["cache"]["usage"]["L3"]``."""
-        # Here, not at the top: the store contract needs torch, and cluster/config.py imports this module
-        # for StorageConfig in processes that only read the cluster's settings (the ingress, the router).
+        # Here, not at the top: cluster/config.py imports this module for StorageConfig in processes that
+        # only read the cluster's settings (the router, the launcher), which need not load the store contract.
         from storage.l3.base import STAT_KEYS
         counts = dict.fromkeys(STAT_KEYS, 0)
         for ws in worker_stats or []:

@@ -13,8 +13,9 @@ from storage.l3.config import BACKENDS, L3Config, MooncakeConfig, NixlConfig
 if TYPE_CHECKING:
     from storage.l3.base import L3Store
 
-# The store contract (base.py) loads on first use: it needs torch, and the ingress and the router unpickle
-# this package's configs (and cluster/config.py imports them) without loading torch.
+# The store contract (base.py) loads on first use: it needs numpy and xxhash (torch only once a page
+# moves), and the router and the launcher unpickle this package's configs (cluster/config.py imports them)
+# without either.
 _FROM_BASE = ("HEADER_BYTES", "KEY_PREFIX", "STAT_KEYS", "L3Store", "l3_key")
 
 

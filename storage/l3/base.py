@@ -29,10 +29,13 @@ import socket
 import struct
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 try:  # xxh3 runs at memory speed (~11 GB/s here); crc32 (~1.3 GB/s) only if xxhash is missing
     import xxhash
@@ -69,8 +72,22 @@ _PAD = bytes(HEADER_BYTES - _HEAD.size - _SUM.size)
 
 # KV page dtypes. A code, not the dtype's name, goes into the header so the format does not depend on
 # torch's spelling; anything else (int64 token ids, float64, bool) is not a KV page and is refused.
-DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.uint8: 4, torch.int8: 5,
-               torch.float8_e4m3fn: 6, torch.float8_e5m2: 7}
+_DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "uint8": 4, "int8": 5, "float8_e4m3fn": 6,
+                "float8_e5m2": 7}
+
+
+@functools.cache
+def load_torch():
+    # On first use, not at import: the storage actor opens stores only to evict, audit and report, and the
+    # slab server only holds bytes; neither moves a page, and torch would cost each ~2 s and ~180 MiB.
+    import torch
+    return torch
+
+
+@functools.cache
+def dtype_codes() -> dict:
+    """{torch dtype: header code} of the KV page dtypes."""
+    return {getattr(load_torch(), name): code for name, code in _DTYPE_CODES.items()}
 
 STAT_KEYS = ("hits", "misses", "corrupt", "bytes_read", "bytes_written", "sets_ok", "sets_failed",
              "evictions", "timeouts", "errors")
@@ -113,11 +130,11 @@ def key_digest(key: str) -> bytes:
 
 def page_bytes(page: torch.Tensor) -> np.ndarray:
     """A uint8 numpy view of a page's memory (no copy): what file and network I/O read and write."""
-    return page.view(torch.uint8).numpy()
+    return page.view(load_torch().uint8).numpy()
 
 
 def encode_header(digest: bytes, page: torch.Tensor) -> bytes:
-    head = _HEAD.pack(_MAGIC, _VERSION, _ALGO, DTYPE_CODES[page.dtype], 0, page.nbytes, page.numel(), digest)
+    head = _HEAD.pack(_MAGIC, _VERSION, _ALGO, dtype_codes()[page.dtype], 0, page.nbytes, page.numel(), digest)
     return head + _SUM.pack(_checksum((head, page_bytes(page)))) + _PAD
 
 
@@ -128,10 +145,16 @@ def check_header(header, digest: bytes, page: torch.Tensor) -> bool:
         return False
     magic, version, algo, dtype, _, nbytes, numel, kd = _HEAD.unpack_from(header)
     if (magic != _MAGIC or version != _VERSION or algo != _ALGO or kd != digest
-            or dtype != DTYPE_CODES[page.dtype] or nbytes != page.nbytes or numel != page.numel()):
+            or dtype != dtype_codes()[page.dtype] or nbytes != page.nbytes or numel != page.numel()):
         return False
     (stored,) = _SUM.unpack_from(header, _HEAD.size)
     return stored == _checksum((header[:_HEAD.size], page_bytes(page)))
+
+
+def check_host_buffer(buf) -> None:
+    """What ``L3Store.register`` takes: a contiguous CPU tensor (an L2 pool's data)."""
+    if not isinstance(buf, load_torch().Tensor) or buf.device.type != "cpu" or not buf.is_contiguous():
+        raise ValueError("buf must be a contiguous CPU tensor (an L2 pool's data)")
 
 
 def check_keys(keys) -> list[str]:
@@ -145,17 +168,18 @@ def check_keys(keys) -> list[str]:
 
 def check_pages(keys: list[str], pages, max_page_bytes: int) -> list[torch.Tensor]:
     """One batch is pages of one pool: same dtype and size, flat, contiguous, in host memory."""
-    if isinstance(pages, torch.Tensor) or not isinstance(pages, Sequence):
+    tensor, codes = load_torch().Tensor, dtype_codes()
+    if isinstance(pages, tensor) or not isinstance(pages, Sequence):
         raise ValueError(f"pages must be a list of tensors, got {type(pages).__name__}")
     if len(pages) != len(keys):
         raise ValueError(f"pages: {len(pages)} tensors for {len(keys)} keys")
     for i, p in enumerate(pages):
-        if not isinstance(p, torch.Tensor):
+        if not isinstance(p, tensor):
             raise ValueError(f"pages[{i}] must be a torch.Tensor, got {type(p).__name__}")
         if p.device.type != "cpu":
             raise ValueError(f"pages[{i}].device must be cpu (an L2 host page), got {p.device}")
-        if p.dtype not in DTYPE_CODES:
-            raise ValueError(f"pages[{i}].dtype {p.dtype} is not a KV page dtype {sorted(map(str, DTYPE_CODES))}")
+        if p.dtype not in codes:
+            raise ValueError(f"pages[{i}].dtype {p.dtype} is not a KV page dtype {sorted(map(str, codes))}")
         if p.dim() != 1 or not p.is_contiguous():
             raise ValueError(f"pages[{i}].shape must be flat and contiguous (HostPool.page), got "
                              f"{tuple(p.shape)} stride {p.stride()}")

@@ -33,8 +33,12 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 try:   # the batch system calls, compiled by the install (storage/l3/_fileio.c); else Python makes them
     from storage.l3 import _fileio

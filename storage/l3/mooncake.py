@@ -31,10 +31,15 @@ import threading
 import time
 from bisect import bisect_right
 
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
-from storage.l3.base import HEADER_BYTES, KEY_PREFIX, L3Store, encode_header, host_location, key_digest, log
+import numpy as np
+
+from storage.l3.base import (HEADER_BYTES, KEY_PREFIX, L3Store, check_host_buffer, encode_header,
+                             host_location, key_digest, load_torch, log)
+
+if TYPE_CHECKING:
+    import torch
 from storage.ports import free_port
 
 OBJECT_NOT_FOUND = -704
@@ -84,8 +89,7 @@ class MooncakeStore(L3Store):
 
     # ---- registration ------------------------------------------------------------------------------------
     def register(self, buf: torch.Tensor) -> None:
-        if not isinstance(buf, torch.Tensor) or buf.device.type != "cpu" or not buf.is_contiguous():
-            raise ValueError("buf must be a contiguous CPU tensor (an L2 pool's data)")
+        check_host_buffer(buf)
         start = buf.data_ptr()
         with self._reg_lock:
             if self._covered(start, buf.nbytes):
@@ -177,6 +181,7 @@ class MooncakeStore(L3Store):
 
     def _get(self, keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
         n, want = len(keys), HEADER_BYTES + pages[0].nbytes
+        torch = load_torch()
         hdrs = torch.zeros((n, HEADER_BYTES), dtype=torch.uint8)
         ptrs = [[hdrs[i].data_ptr(), p.data_ptr()] for i, p in enumerate(pages)]
         sizes = [[HEADER_BYTES, pages[0].nbytes]] * n
@@ -200,8 +205,8 @@ class MooncakeStore(L3Store):
 
     def _set(self, keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
         n = len(keys)
-        hdrs = torch.from_numpy(np.frombuffer(b"".join(encode_header(key_digest(k), p) for k, p in zip(keys, pages)),
-                                              np.uint8).reshape(n, HEADER_BYTES).copy())
+        raw = b"".join(encode_header(key_digest(k), p) for k, p in zip(keys, pages))
+        hdrs = load_torch().from_numpy(np.frombuffer(raw, np.uint8).reshape(n, HEADER_BYTES).copy())
         ptrs = [[hdrs[i].data_ptr(), p.data_ptr()] for i, p in enumerate(pages)]
         sizes = [[HEADER_BYTES, pages[0].nbytes]] * n
         res = self._io(lambda: self._client.batch_put_from_multi_buffers(keys, ptrs, sizes, self._rc),

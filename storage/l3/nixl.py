@@ -17,10 +17,14 @@ import os
 import threading
 import time
 
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
-from storage.l3.base import HEADER_BYTES, L3Store, log
+import numpy as np
+
+from storage.l3.base import HEADER_BYTES, L3Store, check_host_buffer, log
+
+if TYPE_CHECKING:
+    import torch
 from storage.l3.file import FileStore
 
 _BACKEND = "POSIX"
@@ -58,8 +62,7 @@ class NixlStore(FileStore):
 
     # ---- registration ------------------------------------------------------------------------------------
     def register(self, buf: torch.Tensor) -> None:
-        if not isinstance(buf, torch.Tensor) or buf.device.type != "cpu" or not buf.is_contiguous():
-            raise ValueError("buf must be a contiguous CPU tensor (an L2 pool's data)")
+        check_host_buffer(buf)
         with self._agent_lock:
             if self._covered(buf.data_ptr(), buf.nbytes):
                 return

@@ -21,10 +21,15 @@ import time
 from collections import OrderedDict
 from multiprocessing.connection import Client, Listener
 
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
-from storage.l3.base import HEADER_BYTES, KEY_PREFIX, L3Store, encode_header, host_location, key_digest, log
+import numpy as np
+
+from storage.l3.base import (HEADER_BYTES, KEY_PREFIX, L3Store, check_host_buffer, encode_header, host_location,
+                             key_digest, log)
+
+if TYPE_CHECKING:
+    import torch
 from storage.l3.nixl import _load_nixl, wait_xfer
 
 
@@ -34,13 +39,13 @@ class SlabServer:
         nixl_agent, nixl_agent_config = _load_nixl()
         self.slot_bytes = slot_bytes
         self.n_slots = max(1, capacity_bytes // slot_bytes)
-        self.slab = torch.zeros(self.n_slots * slot_bytes, dtype=torch.uint8)
+        self.slab = np.zeros(self.n_slots * slot_bytes, dtype=np.uint8)   # bytes only: no torch here
         # UCX needs the target to progress for the peers' one-sided operations to complete. NIXL's own
         # progress thread busy-polls a whole core; a pump that naps ``progress_s`` costs ~1% and, on
         # this 2-core class of machine, transfers faster than the spinning thread.
         self.agent = nixl_agent(name or f"strata-slab-{os.getpid()}",
                                 nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-        self.agent.register_memory(self.slab, backends=["UCX"])
+        self.agent.register_memory([(self.slab.ctypes.data, self.slab.nbytes, 0, "")], "DRAM", ["UCX"])
         self.progress_s = progress_s
         self.lock = threading.Lock()
         self.lru: OrderedDict[str, int] = OrderedDict()     # committed key -> slot, least recent first
@@ -51,7 +56,7 @@ class SlabServer:
         op, args = req[0], req[1:]
         with self.lock:
             if op == "hello":
-                return self.agent.get_agent_metadata(), self.slab.data_ptr(), self.slot_bytes, self.n_slots
+                return self.agent.get_agent_metadata(), self.slab.ctypes.data, self.slot_bytes, self.n_slots
             if op == "exists":
                 n = 0
                 while n < len(args[0]) and args[0][n] in self.lru:
@@ -242,8 +247,7 @@ class NixlRemoteStore(L3Store):
             return None
 
     def register(self, buf: torch.Tensor) -> None:
-        if not isinstance(buf, torch.Tensor) or buf.device.type != "cpu" or not buf.is_contiguous():
-            raise ValueError("buf must be a contiguous CPU tensor (an L2 pool's data)")
+        check_host_buffer(buf)
         with self._lock:
             if not any(s <= buf.data_ptr() and buf.data_ptr() + buf.nbytes <= e for s, e, _, _ in self._regions):
                 descs = self._agent.register_memory([(buf.data_ptr(), buf.nbytes, 0, "")], "DRAM", ["UCX"])

@@ -83,3 +83,16 @@ def test_slab_evicts_lru_and_refuses_oversized_pages(own_server, tmp_path, keys)
     big = torch.zeros(SLOT_BYTES, dtype=torch.uint8)
     assert s.batch_set(keys(1, start=100), [big]) == [False]
     s.close()
+
+
+def test_the_slab_server_holds_bytes_without_torch(own_server, tmp_path, keys):
+    """The slab server only holds bytes (numpy), so its process maps no libtorch (~2 s and ~180 MiB a start),
+    and pages still round-trip through it."""
+    s = make_store(store_config("nixl-ucx", tmp_path, own_server))
+    ks, pages = keys(2), random_pages(2)
+    assert s.batch_set(ks, pages) == [True, True]
+    back = [torch.empty_like(p) for p in pages]
+    assert s.batch_get(ks, back) == [True, True] and all(torch.equal(a, b) for a, b in zip(back, pages))
+    s.close()
+    with open(f"/proc/{own_server.proc.pid}/maps") as f:
+        assert "libtorch" not in f.read()

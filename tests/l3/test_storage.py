@@ -3,6 +3,7 @@ a real mooncake_master that dies mid-serving and is restarted, and the Ray actor
 from __future__ import annotations
 
 import os
+import sys
 import time
 import uuid
 
@@ -224,6 +225,11 @@ def test_storage_actor_shell_with_router(tmp_path):
         # A consumer that lost the L3 history asks for a snapshot: it says again what the store holds.
         snap = ray.get(actor.kv_snapshot.remote(), timeout=60)
         assert snap.seq > pos.seq and counted() == left and l3_pages() == present
+        # The storage actor evicts, audits and reports without torch (~2 s and ~180 MiB a (re)start); nor
+        # does the router.
+        for a in (actor, router):
+            assert ray.get(a.__ray_call__.remote(
+                lambda self: sorted(m for m in sys.modules if m.split(".")[0] == "torch")), timeout=60) == []
         ray.get(actor.shutdown.remote(), timeout=60)
         store.close()
     finally:
