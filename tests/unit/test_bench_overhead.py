@@ -239,3 +239,16 @@ def test_fileio_bench_times_both_ways_and_switches_a_workers_store(tmp_path):
         assert not switch_fileio(types.SimpleNamespace(core=types.SimpleNamespace(engine=bare)), True)
     finally:
         bare.close()
+
+
+def test_steal_is_the_share_of_the_machine_s_ticks_and_the_report_shows_it():
+    from bench.overhead import machine_ticks, steal_pct
+    assert steal_pct((10, 1000), (35, 1500)) == 5.0 and steal_pct((1, 1), (1, 1)) == 0.0
+    a = machine_ticks()
+    b = machine_ticks()
+    assert 0 <= a[0] <= a[1] and b[0] >= a[0] and b[1] >= a[1]
+    d = {"p50": 1.0, "p90": 2.0, "p99": 3.0}
+    eng = {"ttft_cached": d, "long64": {"p50": 0.1}, "short": {"req_s": 100.0}, "short_batch64": {"req_s": 200.0},
+           "streams64": {"ttft": d}, "steal_pct": 2.5}
+    line = [ln for ln in report({"engine": eng}).splitlines() if "(steal) %" in ln]
+    assert len(line) == 1 and line[0].split()[-1] == "2.5", line
