@@ -26,7 +26,8 @@ from engine.sampling import SamplingParams
 
 class RebalanceReport(NamedTuple):
     """One applied placement: slots changed (all ranks), bytes sent point to point, the slowest rank's
-    staging time (serving went on meanwhile) and the pause (all ranks stood still for the switch)."""
+    staging time (serving went on meanwhile) and the pause (all ranks stood still for the switch). The
+    rebalancer reads ``moved_slots`` and ``seconds``, as of a single worker's ``PlacementApplied``."""
     moved_slots: int
     bytes_moved: int
     stage_seconds: float
@@ -111,14 +112,14 @@ class EPRankActor:
             raise TimeoutError(f"EP job {job} did not finish in {timeout_s}s")
         return self._jobs.pop(job)["tokens"]
 
-    def expert_load(self) -> dict:
+    def expert_load(self):
         """The rebalancer's reading (actors/eplb.py ``observe``): the leader's logical and slot counters,
         and each rank's measured pairs [L, R] and expert compute seconds [R], all cumulative."""
         return group_reading(self.ep, ray.get([p.stats.remote() for p in self.peers]))
 
-    def apply_placement(self, phy2log, poll_s: float = 0.002) -> dict:
+    def apply_placement(self, phy2log, poll_s: float = 0.002) -> RebalanceReport:
         """Moves the group to phy2log [L, P]: every rank stages its moves in the background (serving goes
-        on), then all switch between two steps. -> RebalanceReport as a dict."""
+        on), then all switch between two steps."""
         with self._apply_lock:
             t = time.perf_counter()
             phy2log = check_placement(self.ep, phy2log)
@@ -166,14 +167,13 @@ def join_group(cfg: EngineConfig, rank: int, world: int, port: int, store=None, 
     return EPRank(cfg, rank, world, None, moves)
 
 
-def group_reading(ep, peer_stats: list) -> dict:
-    """The leader's reading for the rebalancer from its EPRank ``ep`` and the followers' RankStats."""
-    eng = ep.engine
+def group_reading(ep, peer_stats: list):
+    """The leader's reading for the rebalancer (engine/eplb.py ``ExpertLoad``) from its EPRank ``ep`` and
+    the followers' RankStats."""
     stats = [ep.stats()] + list(peer_stats)
-    return {"logical": eng.expert_load(), **eng.expert_slots(), "steps": eng.counters["steps"],
-            "rank_counts": torch.tensor([s.pairs for s in stats], dtype=torch.int64).T.contiguous(),
-            "rank_moe_seconds": [sum(s.compute_s) for s in stats],
-            "rank_moe_cpu_seconds": [sum(s.cpu_s) for s in stats]}
+    return ep.engine.expert_reading()._replace(
+        rank_counts=torch.tensor([s.pairs for s in stats], dtype=torch.int64).T.contiguous(),
+        rank_moe_seconds=[sum(s.compute_s) for s in stats], rank_moe_cpu_seconds=[sum(s.cpu_s) for s in stats])
 
 
 def check_placement(ep, phy2log) -> torch.Tensor:
@@ -191,12 +191,11 @@ def check_placement(ep, phy2log) -> torch.Tensor:
     return phy2log
 
 
-def rebalance_report(before: list, after: list, pause: float, t0: float) -> dict:
-    """RebalanceReport (as the rebalancer's dict) from every rank's RankStats before and after."""
-    r = RebalanceReport(sum(a.moved_slots - b.moved_slots for a, b in zip(after, before)),
-                        sum(a.bytes_sent - b.bytes_sent for a, b in zip(after, before)),
-                        max(a.stage_seconds for a in after), pause, time.perf_counter() - t0)
-    return r._asdict()
+def rebalance_report(before: list, after: list, pause: float, t0: float) -> RebalanceReport:
+    """RebalanceReport from every rank's RankStats before and after."""
+    return RebalanceReport(sum(a.moved_slots - b.moved_slots for a, b in zip(after, before)),
+                           sum(a.bytes_sent - b.bytes_sent for a, b in zip(after, before)),
+                           max(a.stage_seconds for a in after), pause, time.perf_counter() - t0)
 
 
 def create_ep_group(cfg: EngineConfig, world: int, num_cpus: float = 0.25) -> list:

@@ -24,9 +24,10 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.ep_group import (EPRankActor, check_placement, group_reading, join_group, open_store,
+from actors.ep_group import (EPRankActor, RebalanceReport, check_placement, group_reading, join_group, open_store,
                              rebalance_report)
 from engine.config import EngineConfig
+from engine.eplb import ExpertLoad
 
 log = logging.getLogger("strata.ep")
 
@@ -82,15 +83,15 @@ class EPHost:
     async def _peer_stats(self) -> list:
         return list(await asyncio.gather(*(p.stats.remote() for p in self.peers)))
 
-    async def expert_load(self, core) -> dict:
+    async def expert_load(self, core) -> ExpertLoad:
         """The rebalancer's reading: the leader's counters (read on the engine thread, between steps)
         plus every rank's measured pairs [L, R] and expert seconds [R]."""
         stats = await self._peer_stats()
         return await core.call(lambda e: group_reading(self.ep, stats))
 
-    async def apply_placement(self, core, phy2log) -> dict:
+    async def apply_placement(self, core, phy2log) -> RebalanceReport:
         """Every rank stages its moves in the background while serving goes on; once all are staged the
-        engine thread commits between two steps (all ranks switch together). -> RebalanceReport dict."""
+        engine thread commits between two steps (all ranks switch together)."""
         async with self._apply:
             t = time.perf_counter()
             phy2log = check_placement(self.ep, phy2log)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.eplb import (EplbConfig, LoadWindow, Placement, align_placement, balancedness,
+from engine.eplb import (EplbConfig, ExpertLoad, LoadWindow, Placement, align_placement, balancedness,
                          identity_placement, interval_counts, moved_slots, rebalance_placement,
                          should_rebalance)
 
@@ -81,13 +81,11 @@ class EplbRebalancer:
         self.last_applied: dict | None = None
 
     # ---- observing -----------------------------------------------------------------------------
-    def observe(self, readings: dict[str, dict], now: float) -> list[str]:
-        """Adds one interval from the workers' readings ({"logical": [L, E], "slot_counts": [L, P],
-        "phy2log": [L, P], "steps": int}, cumulative); returns the workers whose placement is not the
-        current one (to push it again). An expert-parallel group's reading also carries what its ranks
-        measured: "rank_counts" [L, R] (token-choice pairs each rank's experts served) and
-        "rank_moe_seconds" [R] (expert compute time); those then are the rank loads, not the slot
-        counters."""
+    def observe(self, readings: dict[str, ExpertLoad], now: float) -> list[str]:
+        """Adds one interval from the workers' readings (engine/eplb.py ``ExpertLoad``, cumulative); returns
+        the workers whose placement is not the current one (to push it again). Where an expert-parallel
+        group's reading carries what its ranks measured (``rank_counts``, ``rank_moe_seconds``), those are
+        the rank loads, not the slot counters."""
         L, E, P = self.num_layers, self.num_logical, self.placement.num_physical
         load = torch.zeros(L, E, dtype=torch.int64)
         slots = torch.zeros(L, P, dtype=torch.int64)
@@ -95,17 +93,19 @@ class EplbRebalancer:
         has_measured = False
         stale = []
         for w, r in sorted(readings.items()):
-            cur = _Prev(torch.as_tensor(r["logical"]).to(torch.int64),
-                        torch.as_tensor(r["slot_counts"]).to(torch.int64), int(r["steps"]))
+            if not isinstance(r, ExpertLoad):
+                raise ValueError(f"worker {w}: a reading must be an ExpertLoad, got {type(r).__name__}")
+            cur = _Prev(torch.as_tensor(r.logical).to(torch.int64), torch.as_tensor(r.slot_counts).to(torch.int64),
+                        int(r.steps))
             if cur.logical.shape != (L, E) or cur.slots.shape != (L, P):
                 raise ValueError(f"worker {w}: counters {tuple(cur.logical.shape)}/{tuple(cur.slots.shape)}, "
                                  f"expected {(L, E)}/{(L, P)}")
-            if "rank_counts" in r:
-                cur.ranks = torch.as_tensor(r["rank_counts"]).to(torch.int64)
+            if r.rank_counts is not None:
+                cur.ranks = torch.as_tensor(r.rank_counts).to(torch.int64)
                 if cur.ranks.shape != (L, self.cfg.num_ranks):
                     raise ValueError(f"worker {w}: rank_counts {tuple(cur.ranks.shape)}, expected "
                                      f"{(L, self.cfg.num_ranks)}")
-                self.rank_moe_seconds[w] = [float(x) for x in r.get("rank_moe_seconds", [])]
+                self.rank_moe_seconds[w] = [float(x) for x in r.rank_moe_seconds or []]
             prev = self.prev.get(w)
             if prev is None or cur.steps < prev.steps:   # new, or restarted: it counted all since start
                 prev = _Prev(torch.zeros_like(cur.logical), torch.zeros_like(cur.slots), 0)
@@ -117,7 +117,7 @@ class EplbRebalancer:
             slots += interval_counts(prev.slots, cur.slots)
             self.steps += cur.steps - prev.steps
             self.prev[w] = cur
-            if not torch.equal(torch.as_tensor(r["phy2log"]).to(torch.int64), self.placement.phy2log):
+            if not torch.equal(torch.as_tensor(r.phy2log).to(torch.int64), self.placement.phy2log):
                 stale.append(w)
         self.window = self.window.push(load, now)
         self.measured = has_measured

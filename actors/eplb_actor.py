@@ -125,8 +125,8 @@ class EplbRebalancerActor:
         res = self._push(d.placement.phy2log, list(self.workers))
         seconds = time.perf_counter() - t
         log.info("eplb: %s on %d/%d workers in %.3fs", d.reason, len(res), len(self.workers), seconds)
-        return self.logic.applied(d, seconds, max((r["seconds"] for r in res.values()), default=0.0),
-                                  max((r["moved_slots"] for r in res.values()), default=0), len(res))
+        return self.logic.applied(d, seconds, max((r.seconds for r in res.values()), default=0.0),
+                                  max((r.moved_slots for r in res.values()), default=0), len(res))
 
     def trigger(self) -> dict:
         """Collect and rebalance now (``strata rebalance``)."""

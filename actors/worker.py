@@ -781,20 +781,17 @@ class WorkerActor:
         return ray.get_runtime_context().get_node_id()
 
     # ---- experts (EPLB) --------------------------------------------------------------------------
-    async def expert_load(self) -> dict | None:
-        """Cumulative expert counters, read on the engine thread between steps (None without slots):
-        {"logical": [L, E], "slot_counts": [L, P], "phy2log": [L, P], "num_ranks": R, "steps": n}."""
+    async def expert_load(self):
+        """The cumulative expert counters (engine/eplb.py ``ExpertLoad``), read on the engine thread between
+        steps; None without slots."""
         if self.ep is not None:    # and what each rank of the group measured (actors/ep_host.py)
             return await self.ep.expert_load(self.core)
+        return await self.core.call(lambda e: e.expert_reading())
 
-        def read(e: Engine) -> dict | None:
-            slots = e.expert_slots()
-            return None if slots is None else {"logical": e.expert_load(), **slots, "steps": e.counters["steps"]}
-        return await self.core.call(read)
-
-    async def apply_placement(self, phy2log) -> dict:
-        """Swaps the expert weights to phy2log [L, P] between two steps: {"moved_slots", "seconds"} (an
-        EP group: staged on every rank while serving, then committed on all between two steps)."""
+    async def apply_placement(self, phy2log):
+        """Swaps the expert weights to phy2log [L, P] between two steps: engine/eplb.py ``PlacementApplied``
+        (an EP group: staged on every rank while serving, then committed on all between two steps; its
+        ``RebalanceReport``)."""
         if self.ep is not None:
             return await self.ep.apply_placement(self.core, phy2log)
         return await self.core.call(lambda e: e.apply_placement(phy2log))

@@ -148,7 +148,7 @@ def serving_section(args, root: Path) -> dict:
         rep = ray.get(leader.apply_placement.remote(d.placement.phy2log))
         during = ray.get(leader.tokens_so_far.remote(job))
         d_toks = ray.get(leader.result.remote(job))
-        logic.applied(d, rep["seconds"], rep["pause_seconds"], rep["moved_slots"], 1)
+        logic.applied(d, rep.seconds, rep.pause_seconds, rep.moved_slots, 1)
         a_batch = prompts(args.requests, args.prompt_len, seed=2)
         after, a_toks, a_secs = phase(ray, ranks, a_batch, args.new_tokens)
         ok = {"before": same_tokens(ref, b_batch, args.new_tokens, b_toks),
@@ -163,7 +163,7 @@ def serving_section(args, root: Path) -> dict:
             "requests_per_phase": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
             "before": {**before, "seconds": b_secs}, "after": {**after, "seconds": a_secs},
             "measured_balancedness_before": measured_before.tolist(),
-            "rebalance": {**rep, "planned_moves": d.planned_moves, "reference_moves": d.reference_moves,
+            "rebalance": {**rep._asdict(), "planned_moves": d.planned_moves, "reference_moves": d.reference_moves,
                           "predicted_balancedness": d.after.tolist(),
                           "tokens_done_at_switch": during, "job_tokens": 8 * args.new_tokens},
             "greedy_tokens_equal_single_process": ok,

@@ -134,15 +134,14 @@ def drive(name: str, overrides: dict | None, ranks: int, redundant: int, n_req: 
         eng.step()
         step = eng.counters["steps"]
         if step % 4 == 0:
-            r = {"logical": eng.expert_load(), **eng.expert_slots(), "steps": step}
-            rb.observe({"w": r}, float(step))
+            rb.observe({"w": eng.expert_reading()}, float(step))
             intervals.append((phase, rb.status()["measured_balancedness_last"]))
             if rb.due(float(step)):
                 d = rb.plan(float(step))
                 if d.apply:
                     res = eng.apply_placement(d.placement.phy2log)
-                    rb.applied(d, res["seconds"], res["seconds"], res["moved_slots"], 1)
-                    applies.append({**res, "before": float(d.before.mean()), "after": float(d.after.mean())})
+                    rb.applied(d, res.seconds, res.seconds, res.moved_slots, 1)
+                    applies.append({**res._asdict(), "before": float(d.before.mean()), "after": float(d.after.mean())})
                     phase = "after"
                 else:
                     rb.skip(d)
@@ -158,13 +157,13 @@ def drive(name: str, overrides: dict | None, ranks: int, redundant: int, n_req: 
         row[f"measured_{ph}"] = float(vals.mean()) if vals.numel() else None
         row[f"measured_{ph}_min"] = float(vals.min()) if vals.numel() else None
     # Apply cost on its own: swap between two full placements (every slot may move), best of 5.
-    L, P = eng.expert_slots()["phy2log"].shape
+    L, P = eng.expert_reading().phy2log.shape
     swaps = []
     for i in range(10):
         g = torch.Generator().manual_seed(i % 2)
         res = eng.apply_placement(rebalance(torch.rand(L, mc.num_local_experts, generator=g) ** 4, P, 1, 1,
                                             ranks)[0])
-        swaps.append((res["seconds"], res["moved_slots"]))
+        swaps.append((res.seconds, res.moved_slots))
     best = min(swaps[1:])
     row.update(swap_ms_best=best[0] * 1e3, swap_moved=best[1])
     if applies:

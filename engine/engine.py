@@ -11,6 +11,7 @@ from typing import Sequence, Union
 import torch
 
 from engine.config import EngineConfig, model_id
+from engine.eplb import ExpertLoad, PlacementApplied
 from engine.model.checkpoint import resolve_model_path
 from engine.model.loader import load_config, load_model
 from engine.model.moe_dispatch import select_dispatch
@@ -401,20 +402,20 @@ class Engine:
         """Tokens routed per logical expert since start [layers, experts] int64 (a copy)."""
         return torch.stack([m.expert_counts for m in self.moe_layers]).cpu()
 
-    def expert_slots(self) -> dict | None:
-        """The slot placement and what each slot served since start, or None without slots:
-        {"phy2log": [L, P], "slot_counts": [L, P] int64, "num_ranks": R}."""
+    def expert_reading(self) -> ExpertLoad | None:
+        """What the EPLB rebalancer reads (engine/eplb.py ``ExpertLoad``: the counters, the slot placement
+        and what each slot served since start), or None without slots."""
         if self.cfg.eplb is None:
             return None
-        return {"phy2log": torch.stack([m.slots.phy2log for m in self.moe_layers]).cpu(),
-                "slot_counts": torch.stack([m.slots.slot_counts for m in self.moe_layers]).cpu(),
-                "num_ranks": self.cfg.eplb.num_ranks}
+        return ExpertLoad(self.expert_load(), torch.stack([m.slots.slot_counts for m in self.moe_layers]).cpu(),
+                          torch.stack([m.slots.phy2log for m in self.moe_layers]).cpu(), self.cfg.eplb.num_ranks,
+                          self.counters["steps"])
 
-    def apply_placement(self, phy2log: torch.Tensor) -> dict:
+    def apply_placement(self, phy2log: torch.Tensor) -> PlacementApplied:
         """Moves the expert weights to the placement phy2log [L, P] (engine/eplb.py): every changing
         slot's weights are copied first, then all layers switch their mapping. Call between steps
         (AsyncEngine.call does). Outputs do not change. Raises ValueError (and changes nothing) on a
-        bad placement or without slots. -> {"moved_slots": n, "seconds": t}."""
+        bad placement or without slots."""
         if self.cfg.eplb is None:
             raise ValueError("apply_placement: the engine has no expert slots (EngineConfig.eplb is None)")
         try:
@@ -423,7 +424,7 @@ class Engine:
             raise ValueError(f"apply_placement: phy2log is not a [layers, slots] tensor of ints: {e}") from None
         t = time.perf_counter()
         moved = moe_slots.apply_placement(self.moe_layers, phy2log)
-        return {"moved_slots": moved, "seconds": time.perf_counter() - t}
+        return PlacementApplied(moved, time.perf_counter() - t)
 
     # ---- introspection -----------------------------------------------------------------------
     def check_integrity(self) -> None:

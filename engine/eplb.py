@@ -16,10 +16,35 @@ physical slot ``s`` lives on rank ``s // (P / R)``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from engine.config import EplbConfig
+
+
+# ------------------------------------------------------------------------------------- what workers report
+
+class ExpertLoad(NamedTuple):
+    """A worker's expert counters as the rebalancer reads them (``expert_load``), cumulative since the worker
+    started: logical [L, E] tokens routed to each logical expert, slot_counts [L, P] tokens each physical
+    slot served, phy2log [L, P] the placement in force, num_ranks R, steps (forward passes). An EP group's
+    reading also carries what its ranks measured: rank_counts [L, R] (token-choice pairs each rank's experts
+    served), rank_moe_seconds [R] and rank_moe_cpu_seconds [R] (expert compute, wall and CPU)."""
+    logical: torch.Tensor
+    slot_counts: torch.Tensor
+    phy2log: torch.Tensor
+    num_ranks: int
+    steps: int
+    rank_counts: torch.Tensor | None = None
+    rank_moe_seconds: list[float] | None = None
+    rank_moe_cpu_seconds: list[float] | None = None
+
+
+class PlacementApplied(NamedTuple):
+    """One worker's switch to a new placement: the slots whose weights changed, and its seconds."""
+    moved_slots: int
+    seconds: float
 
 
 # ---------------------------------------------------------------------------------------------- placement

@@ -14,7 +14,7 @@ import torch
 from cluster import cli, launch  # launch sets the Ray environment (loopback, no token auth) on import
 from cluster.config import load_config
 from engine import Engine, EngineConfig, SamplingParams
-from engine.eplb import Placement, balancedness, identity_placement
+from engine.eplb import ExpertLoad, Placement, PlacementApplied, balancedness, identity_placement
 from tests.util import free_port
 from tests import numerics
 
@@ -87,14 +87,14 @@ def test_schedule_applies_a_better_placement_and_outputs_do_not_change(cluster, 
     want = torch.tensor(st["phy2log"])
     for w, h in cluster["workers"].items():
         r = ray.get(h.expert_load.remote(), timeout=60)
-        assert torch.equal(r["phy2log"], want), w
-        assert int(r["logical"].sum()) > 0
+        assert torch.equal(r.phy2log, want), w
+        assert int(r.logical.sum()) > 0
     # After the rebalance, the same greedy tokens; on this round's own load the new placement is more
     # balanced than the initial one.
-    load0 = sum(ray.get(h.expert_load.remote(), timeout=60)["logical"] for h in cluster["workers"].values())
+    load0 = sum(ray.get(h.expert_load.remote(), timeout=60).logical for h in cluster["workers"].values())
     for p in _prompts():
         reference(p, _generate(url, p))
-    load = sum(ray.get(h.expert_load.remote(), timeout=60)["logical"] for h in cluster["workers"].values()) - load0
+    load = sum(ray.get(h.expert_load.remote(), timeout=60).logical for h in cluster["workers"].values()) - load0
     assert int(load.sum()) > 0
     ident = identity_placement(4, 8, 4, 1)
     cur = Placement.from_phy2log(want, 8)
@@ -164,7 +164,7 @@ def test_the_rebalancer_follows_the_workers_strata_scale_adds_and_removes(cluste
         wait("the new worker is not followed", lambda: "prefill-1" in known())
         new = ray.get_actor("strata-prefill-1", namespace=cluster["cfg"].ray.namespace)
         wait("the new worker did not get the current placement", lambda: torch.equal(
-            torch.as_tensor(ray.get(new.expert_load.remote(), timeout=60)["phy2log"]),
+            torch.as_tensor(ray.get(new.expert_load.remote(), timeout=60).phy2log),
             torch.as_tensor(_status(cluster)["phy2log"])))
     finally:
         back = scale(cluster["cfg"], {"prefill": 1})
@@ -221,10 +221,9 @@ def test_a_worker_missing_or_dead_is_said_once_and_found_again_by_name(cluster):
     eplb = dataclasses.replace(load_config(CONFIG).engine.eplb, auto=False, collect_seconds=0.2)
     a = start_rebalancer(eplb, ["prefill-9"], len(mc.moe_layer_ids), mc.num_local_experts,
                          name="strata-eplb-absent-test")
-    phy2log = ray.get(a.status.remote(), timeout=60)["phy2log"]
-    L, P = len(phy2log), len(phy2log[0])
-    reading = {"logical": [[0] * mc.num_local_experts] * L, "slot_counts": [[0] * P] * L, "phy2log": phy2log,
-               "steps": 0}
+    phy2log = torch.tensor(ray.get(a.status.remote(), timeout=60)["phy2log"])
+    reading = ExpertLoad(torch.zeros(phy2log.shape[0], mc.num_local_experts, dtype=torch.int64),
+                         torch.zeros_like(phy2log), phy2log, eplb.num_ranks, 0)
 
     @ray.remote(num_cpus=0)
     class Worker:
@@ -232,7 +231,7 @@ def test_a_worker_missing_or_dead_is_said_once_and_found_again_by_name(cluster):
             return reading
 
         def apply_placement(self, phy2log):
-            return {"moved_slots": 0, "seconds": 0.0}
+            return PlacementApplied(0, 0.0)
 
     def keep(self):
         import logging

@@ -102,8 +102,8 @@ def test_http_tokens_equal_single_process(cluster, reference):
         reference(p, N_NEW, _generate(cluster["url"], p), "EP=2 over HTTP")
     load = ray.get(cluster["workers"][WID].expert_load.remote(), timeout=60)
     # Both ranks served pairs, and every routed pair was served by exactly one rank.
-    assert load["rank_counts"].shape[1] == 2 and bool((load["rank_counts"].sum(0) > 0).all())
-    assert torch.equal(load["rank_counts"].sum(1), load["logical"].sum(1))
+    assert load.rank_counts.shape[1] == 2 and bool((load.rank_counts.sum(0) > 0).all())
+    assert torch.equal(load.rank_counts.sum(1), load.logical.sum(1))
 
 
 @pytest.mark.numerics
@@ -137,7 +137,7 @@ def test_metrics_show_the_live_ranks(cluster):
     import ray
     ray.get(cluster["eplb"].trigger.remote(), timeout=60)    # a fresh collection of the ranks' counters
     text = httpx.get(f"{cluster['url']}/metrics", timeout=30).text
-    live = ray.get(cluster["workers"][WID].expert_load.remote(), timeout=60)["rank_moe_seconds"]   # since
+    live = ray.get(cluster["workers"][WID].expert_load.remote(), timeout=60).rank_moe_seconds   # since
     for r in range(2):
         assert f'strata_ep_rank_tokens_last{{rank="{r}"}}' in text
         m = re.search(rf'strata_ep_rank_moe_seconds_total{{worker="{WID}",rank="{r}"}} (\S+)', text)

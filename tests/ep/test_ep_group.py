@@ -70,9 +70,9 @@ def test_tokens_equal_single_process(groups, reference, world):
     reference(PROMPTS, N_NEW, got, f"EP={world}")
     load = ray.get(leader.expert_load.remote())
     # Every (token, choice) pair was served by exactly one rank, and each rank served only its own slots.
-    assert torch.equal(load["rank_counts"].sum(1), load["logical"].sum(1))
-    assert torch.equal(load["rank_counts"], load["slot_counts"].view(load["slot_counts"].shape[0], world, -1).sum(-1))
-    assert load["rank_counts"].shape[1] == world and (load["rank_counts"].sum(0) > 0).sum() >= min(world, 2)
+    assert torch.equal(load.rank_counts.sum(1), load.logical.sum(1))
+    assert torch.equal(load.rank_counts, load.slot_counts.view(load.slot_counts.shape[0], world, -1).sum(-1))
+    assert load.rank_counts.shape[1] == world and (load.rank_counts.sum(0) > 0).sum() >= min(world, 2)
 
 
 def _skewed_placement(leader, world: int) -> torch.Tensor:
@@ -103,7 +103,7 @@ def test_rebalance_during_generation_keeps_tokens(groups, reference, world):
     done_at_switch = ray.get(leader.tokens_so_far.remote(job))
     got = ray.get(leader.result.remote(job), timeout=120)
     assert 0 < done_at_switch < len(PROMPTS) * n_new, "the switch did not land in the middle of the generations"
-    assert rep["moved_slots"] > 0 and rep["bytes_moved"] > 0 and rep["pause_seconds"] >= 0
+    assert rep.moved_slots > 0 and rep.bytes_moved > 0 and rep.pause_seconds >= 0
     for r in ranks:                                    # every rank switched
         assert torch.equal(ray.get(r.placement.remote()), new)
     reference(PROMPTS, n_new, got, f"EP={world}, rebalanced mid-generation")

@@ -7,17 +7,17 @@ import torch
 from actors.eplb import EplbRebalancer
 from actors.ingress import eplb_gauges
 from actors.metrics import Metrics
-from engine.eplb import EplbConfig, identity_placement
+from engine.eplb import EplbConfig, ExpertLoad, identity_placement
 
 
-def reading(rank_counts: torch.Tensor, steps: int, secs: list[float]) -> dict:
+def reading(rank_counts: torch.Tensor, steps: int, secs: list[float]) -> ExpertLoad:
     L, R = rank_counts.shape
     p = identity_placement(L, 8, R, 1)
     # Cumulative logical counts consistent with the ranks': layer 0's experts 0 and 1 (rank 0) are hot.
     hot = torch.tensor([40, 40, 5, 5, 5, 5, 5, 5]) * int(rank_counts[0].sum()) // 120
     logical = torch.stack([hot, torch.full((8,), int(rank_counts[1].sum()) // 8)])
-    return {"logical": logical, "phy2log": p.phy2log, "slot_counts": torch.zeros(L, 12, dtype=torch.int64),
-            "steps": steps, "rank_counts": rank_counts, "rank_moe_seconds": secs}
+    return ExpertLoad(logical, torch.zeros(L, 12, dtype=torch.int64), p.phy2log, R, steps, rank_counts=rank_counts,
+                      rank_moe_seconds=secs)
 
 
 def test_measured_rank_loads_drive_balancedness_and_metrics():

@@ -124,7 +124,7 @@ def test_moe_families_keep_transformers_tokens_while_eplb_moves_experts(family):
     mc = load_config(path)
     e = mc.num_local_experts
     eng = _engine(path, eplb=EplbConfig(num_ranks=4, num_redundant_experts=4, auto=False))
-    assert eng.expert_slots()["phy2log"].shape == (len(mc.moe_layer_ids), e + 4)
+    assert eng.expert_reading().phy2log.shape == (len(mc.moe_layer_ids), e + 4)
     prompts = _prompts(name)[2:]
     rids = [eng.add_request(p, numerics.with_logits(SP)) for p in prompts]
     step, moved = 0, 0
@@ -132,7 +132,7 @@ def test_moe_families_keep_transformers_tokens_while_eplb_moves_experts(family):
         eng.step()
         step += 1
         if step % 3 == 0:
-            moved += eng.apply_placement(rebalance(eng.expert_load(), e + 4, 1, 1, 4)[0])["moved_slots"]
+            moved += eng.apply_placement(rebalance(eng.expert_load(), e + 4, 1, 1, 4)[0]).moved_slots
     assert moved > 0
     for p, r in zip(prompts, rids):
         numerics.assert_same_output(eng.pop_finished(r), hf_greedy(hf, p, N_NEW), mc, f"{name} with EPLB")

@@ -7,7 +7,7 @@ import torch
 
 from actors.eplb import EplbRebalancer
 from actors.ingress import eplb_gauges
-from engine.eplb import EplbConfig, identity_placement
+from engine.eplb import EplbConfig, ExpertLoad, identity_placement
 from tests import numerics
 
 L, E, R, RED = 2, 8, 4, 4
@@ -32,9 +32,8 @@ class FakeWorker:
         self.steps += steps
         return self
 
-    def reading(self) -> dict:
-        return {"logical": self.logical.clone(), "slot_counts": self.slots.clone(),
-                "phy2log": self.phy2log.clone(), "num_ranks": R, "steps": self.steps}
+    def reading(self) -> ExpertLoad:
+        return ExpertLoad(self.logical.clone(), self.slots.clone(), self.phy2log.clone(), R, self.steps)
 
 
 def cfg(**kw) -> EplbConfig:
@@ -123,9 +122,10 @@ def test_manual_trigger_when_auto_is_off():
 def test_bad_readings_and_config():
     rb = EplbRebalancer(cfg(), L, E, now=0.0)
     r = FakeWorker().run(SKEW).reading()
-    r["logical"] = r["logical"][:, :4]
     with pytest.raises(ValueError, match="counters"):
-        rb.observe({"a": r}, 1.0)
+        rb.observe({"a": r._replace(logical=r.logical[:, :4])}, 1.0)
+    with pytest.raises(ValueError, match="must be an ExpertLoad, got dict"):
+        rb.observe({"a": r._asdict()}, 1.0)
     with pytest.raises(ValueError, match="num_ranks"):
         EplbRebalancer(cfg(num_ranks=3, num_redundant_experts=3), L, E, now=0.0)
     for bad in (dict(collect_seconds=0), dict(auto="yes"), dict(dispatch="nccl")):
