@@ -21,6 +21,7 @@ import torch
 
 from actors.startup_heap import freeze_startup_heap
 from engine.config import EngineConfig
+from engine.eplb import ExpertLoad
 from engine.sampling import SamplingParams
 
 
@@ -112,7 +113,7 @@ class EPRankActor:
             raise TimeoutError(f"EP job {job} did not finish in {timeout_s}s")
         return self._jobs.pop(job)["tokens"]
 
-    def expert_load(self):
+    def expert_load(self) -> ExpertLoad:
         """The rebalancer's reading (actors/eplb.py ``observe``): the leader's logical and slot counters,
         and each rank's measured pairs [L, R] and expert compute seconds [R], all cumulative."""
         return group_reading(self.ep, ray.get([p.stats.remote() for p in self.peers]))
@@ -167,7 +168,7 @@ def join_group(cfg: EngineConfig, rank: int, world: int, port: int, store=None, 
     return EPRank(cfg, rank, world, None, moves)
 
 
-def group_reading(ep, peer_stats: list):
+def group_reading(ep, peer_stats: list) -> ExpertLoad:
     """The leader's reading for the rebalancer (engine/eplb.py ``ExpertLoad``) from its EPRank ``ep`` and
     the followers' RankStats."""
     stats = [ep.stats()] + list(peer_stats)

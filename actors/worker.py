@@ -41,7 +41,9 @@ from storage.transfer.base import Receipt, SendStats, TransferStats
 from storage.transfer.sends import SendRecord
 
 if TYPE_CHECKING:
+    from actors.ep_group import RebalanceReport
     from engine.engine import Engine
+    from engine.eplb import ExpertLoad, PlacementApplied
 
 log = logging.getLogger("strata.worker")
 MAX_EARLY_ABORTS = 4096   # routes whose ABORT came before their decode half, kept to refuse it (oldest go)
@@ -781,14 +783,14 @@ class WorkerActor:
         return ray.get_runtime_context().get_node_id()
 
     # ---- experts (EPLB) --------------------------------------------------------------------------
-    async def expert_load(self):
+    async def expert_load(self) -> ExpertLoad | None:
         """The cumulative expert counters (engine/eplb.py ``ExpertLoad``), read on the engine thread between
         steps; None without slots."""
         if self.ep is not None:    # and what each rank of the group measured (actors/ep_host.py)
             return await self.ep.expert_load(self.core)
         return await self.core.call(lambda e: e.expert_reading())
 
-    async def apply_placement(self, phy2log):
+    async def apply_placement(self, phy2log) -> PlacementApplied | RebalanceReport:
         """Swaps the expert weights to phy2log [L, P] between two steps: engine/eplb.py ``PlacementApplied``
         (an EP group: staged on every rank while serving, then committed on all between two steps; its
         ``RebalanceReport``)."""
