@@ -59,7 +59,7 @@ class LocalBackend:
 
     async def gauges(self) -> dict:
         load = self.core.load()
-        return {"strata_worker_running": load["running"], "strata_kv_pages_free": load["free_pages"]}
+        return {"strata_worker_running": load.running, "strata_kv_pages_free": load.free_pages}
 
     async def server_info(self) -> dict:
         c = self.core.engine.cfg

@@ -22,6 +22,7 @@ from typing import Iterable
 
 from actors.recent_routes import RecentRoutes
 from actors.routing import L3_WORKER, NoWorkerError, PrefixIndex, RouterConfig, local_prefill, pick_decode, route
+from engine.worker_load import WorkerLoad
 from storage.geometry import KVGeometry
 from storage.kv_events.subscriber import Delivered, Lost, Update
 from storage.kv_events.wire import CPU, CPU_PINNED, DISK, EXTERNAL, GPU, AllBlocksCleared
@@ -65,7 +66,7 @@ class Router:
         self.geom = geometry or KVGeometry()
         self.index = PrefixIndex()
         self.recent = RecentRoutes(cfg.recent_reports)
-        self.loads: dict[str, dict] = {}
+        self.loads: dict[str, WorkerLoad] = {}
         self.roles: dict[str, str] = {}
         self.seen: dict[str, float] = {}
         self.removed: set[str] = set()
@@ -130,9 +131,11 @@ class Router:
         return sorted(h for h, t in self.asked.items() if h in self.resync and now - t < RESYNC_WAIT_S
                       and self.asks.get(h) == 1 and h in self.roles and h not in self.dropped)
 
-    def report(self, worker: str, role: str, load: dict, fresh: bool, now: float) -> bool:
+    def report(self, worker: str, role: str, load: WorkerLoad, fresh: bool, now: float) -> bool:
         """A worker's load and liveness; False when ignored (a removed worker). ``fresh``: a new
         incarnation, whose cache state its stream tells again from the start."""
+        if not isinstance(load, WorkerLoad):
+            raise ValueError(f"report of {worker}: load must be a WorkerLoad, not {type(load).__name__}")
         if worker in self.removed:
             return False
         if fresh or worker in self.dropped:
@@ -150,7 +153,7 @@ class Router:
             self.recent.forget(w)
             self.dropped.add(w)
 
-    def live(self, roles: tuple[str, ...], now: float) -> dict[str, dict]:
+    def live(self, roles: tuple[str, ...], now: float) -> dict[str, WorkerLoad]:
         """Loads of the live, routable workers of ``roles`` (not dropped, draining or removed)."""
         self._sweep(now)
         return {w: self.loads[w] for w, r in self.roles.items()
@@ -180,14 +183,14 @@ class Router:
             decode, alone = pick_decode(decodes), alone and len(decodes) == 1
             own = local_prefill(self.index, keys, prompt_len, decode, self.cfg, self.geom,
                                 self.recent.pages(keys, (decode,)).get(decode, 0)) if local and by_prefix else None
-            self.loads[decode]["running"] = self.loads[decode].get("running", 0) + 1
+            self.loads[decode] = self.loads[decode].routed(running=1)
             if own is not None:   # it prefills on its decode worker: no handoff
                 worker, decode, ov, alone = decode, None, own, False
                 self.local_prefills += 1
         if by_prefix:
             self.recent.add(worker, keys)
         # Count the request against the worker until its next report, so a burst spreads out.
-        self.loads[worker]["queued_tokens"] = self.loads[worker].get("queued_tokens", 0) + prompt_len
+        self.loads[worker] = self.loads[worker].routed(prompt_len)
         self.decisions += 1
         return Route(worker, decode, ov.pages, ov.by_tier, alone and not avoid)
 
@@ -217,7 +220,8 @@ class Router:
 
     def status(self, now: float) -> dict:
         self._sweep(now)
-        return {"workers": {w: {"role": self.roles[w], "load": self.loads[w], "age_s": round(now - self.seen[w], 3),
+        return {"workers": {w: {"role": self.roles[w], "load": self.loads[w].as_document(),
+                                "age_s": round(now - self.seen[w], 3),
                                 "live": w not in self.dropped, "draining": w in self.draining}
                             for w in self.roles},
                 "indexed_pages": len(self.index), "decisions": self.decisions,

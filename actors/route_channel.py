@@ -26,9 +26,9 @@ prompt_len, avoid, local]`` (``local`` may be left off: true); reply ``[req_id, 
 cached_pages, by_tier, alone]]`` (the ``Route`` fields) or ``[req_id, false, [error_kind, message]]``;
 ``error_kind`` ``NoWorkerError`` (the router has no worker for it yet: the caller retries as over Ray) comes
 back as that exception, any other as RouterError.
-A report is two frames, ``REPORT`` then ``[req_id, worker, role, load, fresh, stream, l3]`` (the streams
-``[[topic, pub, replay], seq]`` or nil); its reply ``[req_id, true, [ignored, resync]]`` or an error as
-above.
+A report is two frames, ``REPORT`` then ``[req_id, worker, role, load, fresh, stream, l3]`` (``load`` a
+WorkerLoad's fields in order; the streams ``[[topic, pub, replay], seq]`` or nil); its reply ``[req_id,
+true, [ignored, resync]]`` or an error as above.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import msgspec
 import zmq
@@ -47,6 +47,7 @@ from zmq.utils.monitor import parse_monitor_message
 from actors.prefix_router import ReportReply, Route
 from actors.routing import NoWorkerError
 from actors.zmq_sockets import bind_random, close_monitored
+from engine.worker_load import WorkerLoad
 from storage.kv_events.publisher import StreamPosition
 
 log = logging.getLogger("strata.route_channel")
@@ -86,13 +87,13 @@ class _Report(msgspec.Struct, array_like=True):
     req_id: int
     worker: str
     role: str
-    load: dict[str, Any]
+    load: WorkerLoad
     fresh: bool
     stream: Optional[StreamPosition]
     l3: Optional[StreamPosition]
 
 
-Report = Callable[[str, str, dict, bool, Optional[StreamPosition], Optional[StreamPosition]], ReportReply]
+Report = Callable[[str, str, WorkerLoad, bool, Optional[StreamPosition], Optional[StreamPosition]], ReportReply]
 """The router actor's locked ``report(worker, role, load, fresh, stream, l3)``."""
 
 _encoder = msgspec.msgpack.Encoder()
@@ -332,7 +333,7 @@ class ReportClient:
         self._ids = itertools.count()
         self.closed = False
 
-    def report(self, worker: str, role: str, load: dict, fresh: bool, stream: Optional[StreamPosition],
+    def report(self, worker: str, role: str, load: WorkerLoad, fresh: bool, stream: Optional[StreamPosition],
                l3: Optional[StreamPosition]) -> ReportReply:
         """The router's answer; RouterError for its error; ChannelDown when none came."""
         if self.closed:

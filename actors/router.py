@@ -29,6 +29,7 @@ from actors.prefix_router import ReportReply, Route, Router
 from actors.route_channel import RouteServer
 from actors.routing import L3_WORKER, Overlap, RouterConfig
 from actors.startup_heap import freeze_startup_heap
+from engine.worker_load import WorkerLoad
 from storage.geometry import KVGeometry
 from storage.kv_events.publisher import KVEventsEndpoint, StreamPosition
 from storage.kv_events.subscriber import KVEventSubscriber
@@ -72,7 +73,7 @@ class PrefixRouterActor:
         """Where the route channel listens (None: it could not bind; ask ``route`` over Ray)."""
         return self.channel.endpoint if self.channel is not None else None
 
-    def report(self, worker: str, role: str, load: dict, fresh: bool, stream: Optional[StreamPosition] = None,
+    def report(self, worker: str, role: str, load: WorkerLoad, fresh: bool, stream: Optional[StreamPosition] = None,
                l3: Optional[StreamPosition] = None) -> ReportReply:
         """A worker's load and liveness, and where its KV events (and the L3 store's) stand. The catch-up's
         short wait for batches still on their way (the subscriber's ``wait_s``) is under the lock, as the

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
+from engine.worker_load import WorkerLoad
 from storage.geometry import KVGeometry
 from storage.hashing import DEFAULT_SEED, page_ids, page_keys
 from storage.kv_events.translate import FULL_GROUP, SLIDING_GROUP
@@ -287,7 +288,7 @@ def prompt_blocks(tokens: Sequence[int], geom: KVGeometry, cfg: RouterConfig) ->
                     num_pages=geom.cacheable_tokens(len(tokens)) // geom.page_size)
 
 
-def route(index: PrefixIndex, keys: Sequence[int], prompt_len: int, loads: Mapping[str, dict],
+def route(index: PrefixIndex, keys: Sequence[int], prompt_len: int, loads: Mapping[str, WorkerLoad],
           cfg: RouterConfig, geom: KVGeometry, turn: int = 0,
           recent: Mapping[str, int] | None = None) -> tuple[str, Overlap]:
     """The prefill worker with the lowest cost for this prompt (ties: the first in ``loads`` order).
@@ -312,7 +313,7 @@ def route(index: PrefixIndex, keys: Sequence[int], prompt_len: int, loads: Mappi
             pages, l1 = recent[worker], l1 + recent[worker] - pages
         cost = (cfg.miss_weight * (prompt_len - pages * ps)
                 + ps * (cfg.l1_weight * l1 + cfg.l2_weight * l2 + cfg.l3_weight * l3)
-                + cfg.load_weight * load.get("queued_tokens", 0) + cfg.running_weight * load.get("running", 0))
+                + cfg.load_weight * load.queued_tokens + cfg.running_weight * load.running)
         if best is None or cost < best[0]:
             best = (cost, worker, pages, l1, l2, l3)
     return best[1], Overlap(best[2], {"L1": best[3], "L2": best[4], "L3": best[5]})
@@ -336,9 +337,9 @@ def local_prefill(index: PrefixIndex, keys: Sequence[int], prompt_len: int, deco
     return ov if ov.pages and prompt_len - ov.pages * ps <= limit else None
 
 
-def pick_decode(loads: Mapping[str, dict]) -> str:
+def pick_decode(loads: Mapping[str, WorkerLoad]) -> str:
     """The decode worker with the most free pages per running request (of equals, the first in ``loads``:
     ``max`` keeps the first of its maxima)."""
     if not loads:
         raise NoWorkerError("no decode worker is available")
-    return max(loads, key=lambda w: loads[w].get("free_pages", 0) / (1 + loads[w].get("running", 0)))
+    return max(loads, key=lambda w: loads[w].free_pages / (1 + loads[w].running))

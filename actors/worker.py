@@ -34,6 +34,7 @@ from actors.token_channel import (ChannelClient, ChannelLost, ChannelServer, Han
 from engine.config import EngineConfig
 from engine.sampling import SamplingParams
 from engine.stream import StreamItem
+from engine.worker_load import WorkerLoad
 from storage.kv_events import (KVEventPublisher, KVEventsConfig, KVEventsEndpoint, StreamPosition, TreeEventStream,
                                WireMapping, worker_media)
 from storage.transfer import Destination, TransferConfig, TransferError, make_backend
@@ -728,7 +729,7 @@ class WorkerActor:
             pass
 
     # ---- operations ------------------------------------------------------------------------------
-    async def load(self) -> dict:
+    async def load(self) -> WorkerLoad:
         return self.core.load()
 
     async def stats(self) -> dict:

@@ -22,6 +22,7 @@ import time
 
 from bench import tree as tb
 from bench.common import table, write_json
+from engine.worker_load import WorkerLoad
 from storage.geometry import KVGeometry
 from storage.kv_events import (POSITIONAL, TAGGED, KVEventPublisher, KVEventsConfig, TreeEventStream, WireMapping,
                                worker_media)
@@ -107,7 +108,7 @@ def consume_all(evs: list[list], final: list, encoding: str) -> dict:
 
     def router() -> tuple:
         r, sub = Router(RouterConfig(), geom), KVEventSubscriber()
-        r.report("w", "prefill", {}, True, 0.0)
+        r.report("w", "prefill", WorkerLoad(), True, 0.0)
         sub.follow("w", stream.endpoint)
         return r, sub
     live, sub = router()

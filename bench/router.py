@@ -67,6 +67,7 @@ from typing import Callable
 
 from actors.routing import PrefixIndex, RouterConfig, prompt_blocks, route
 from bench.common import table, write_json
+from engine.worker_load import WorkerLoad
 from storage.geometry import KVGeometry
 from storage.kv_events.translate import FULL_GROUP, WireMapping, to_wire, worker_media
 from storage.kv_events.wire import (GPU, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch,
@@ -272,7 +273,7 @@ def scale_rows(target: int, seconds: float, rng: random.Random) -> tuple[list[di
     n_events = sum(len(e) for _, e in stream)
     idx = build_strata(stream)
     workers = [f"p{i}" for i in range(WORKERS)]
-    loads = {w: {"queued_tokens": rng.randrange(2000), "running": rng.randrange(8)} for w in workers}
+    loads = {w: WorkerLoad(queued_tokens=rng.randrange(2000), running=rng.randrange(8)) for w in workers}
     prompts = [c + [rng.randrange(32000) for _ in range(NEW_TURN)] for c in rng.sample(alive, min(len(alive), 500))]
     wp = geom.window_pages
     common = {"indexed_pages": len(idx), "workers": WORKERS, "prompt_tokens": len(prompts[0]),

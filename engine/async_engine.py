@@ -21,6 +21,7 @@ from engine.engine import Engine
 from engine.request import Status
 from engine.sampling import SamplingParams
 from engine.stream import PrefillResult, StreamItem, merge_items
+from engine.worker_load import WorkerLoad
 from storage.transfer.base import Receipt, TransferBackend
 from storage.transfer.payload import KVPayload
 
@@ -459,20 +460,18 @@ class AsyncEngine:
     async def take_events(self) -> list:
         return await self.call(lambda e: e.cache.take_events())
 
-    def load(self) -> dict:
+    def load(self) -> WorkerLoad:
         """Racy but cheap snapshot (ints read from another thread) for routing."""
         s = self.engine.scheduler
         queued = sum(r.remaining for r in list(s.waiting)) + sum(r.remaining for r in list(s.running)
                                                                   if not r.is_decoding)
-        out = {"queued_tokens": queued, "running": len(s.running), "waiting": len(s.waiting),
-               "free_pages": self.engine.pools.full.allocator.num_free,
-               "total_pages": self.engine.pools.full.num_pages}
-        cache = self.engine.cache
-        if cache.host is not None:  # for /metrics: host memory and tier traffic (only with L2)
-            out["host_kv_bytes"] = sum(cache.host.bytes_used().values())
-            out["kv_moved_bytes"] = dict(cache.stats["bytes"])
-            out["kv_loadback_pages"] = dict(cache.stats["loadback"])   # loaded / used / wasted L2 -> L1
-        return out
+        full, cache = self.engine.pools.full, self.engine.cache
+        if cache.host is None:
+            return WorkerLoad(queued, len(s.running), len(s.waiting), full.allocator.num_free, full.num_pages)
+        return WorkerLoad(queued, len(s.running), len(s.waiting), full.allocator.num_free, full.num_pages,
+                          host_kv_bytes=sum(cache.host.bytes_used().values()),
+                          kv_moved_bytes=dict(cache.stats["bytes"]),
+                          kv_loadback_pages=dict(cache.stats["loadback"]))   # loaded / used / wasted L2 -> L1
 
     async def stats(self) -> dict:
         return await self.call(lambda e: e.stats())

@@ -65,7 +65,7 @@ def _back_and_serving(b, handle) -> None:
 
 def _wait_idle(b, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
-    while ray.get(b.workers["d0"].load.remote(), timeout=30)["running"] or _leases(b):
+    while ray.get(b.workers["d0"].load.remote(), timeout=30).running or _leases(b):
         assert time.monotonic() < deadline, "the decode worker still holds the abandoned request or its lease"
         time.sleep(0.02)
 
@@ -110,7 +110,7 @@ def test_a_client_that_leaves_mid_decode_stops_it_on_the_decode_worker(backend):
         gen = KVHandoff(b).run([1, 2, 3], SamplingParams(max_new_tokens=3000, ignore_eos=True), "p0", "d0")
         for _ in range(4):
             await gen.__anext__()
-        assert ray.get(b.workers["d0"].load.remote(), timeout=30)["running"] == 1
+        assert ray.get(b.workers["d0"].load.remote(), timeout=30).running == 1
         await gen.aclose()        # what a client that leaves does to its stream
     asyncio.run(main())
     _wait_idle(b)

@@ -14,10 +14,11 @@ import pytest
 
 from cluster import launch  # sets the Ray environment (loopback, no token auth) on import
 from engine.model.checkpoint import resolve_model_path
+from engine.worker_load import WorkerLoad
 
 ray = pytest.importorskip("ray")
 
-LOAD = {"free_pages": 100, "total_pages": 100}
+LOAD = WorkerLoad(free_pages=100, total_pages=100)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import pytest
 from cluster import launch  # sets the Ray environment (loopback, no token auth) on import
 from engine import EngineConfig, SamplingParams
 from engine.model.checkpoint import resolve_model_path
+from engine.worker_load import WorkerLoad
 
 ray = pytest.importorskip("ray")
 
@@ -87,7 +88,7 @@ def test_the_sole_workers_requests_go_out_before_their_route_and_keep_the_predic
 
 def test_a_second_worker_makes_the_next_requests_ask_first(setup):
     b, router = setup
-    load = {"free_pages": 256, "total_pages": 256}
+    load = WorkerLoad(free_pages=256, total_pages=256)
 
     async def main():   # one event loop throughout: the channels opened stay open
         await _requests(b, 1, [])                                # learns w0 as the only choice
@@ -139,7 +140,7 @@ def test_a_request_sent_to_a_drained_worker_is_withdrawn_and_served_where_the_ro
         deadline = time.monotonic() + 10
         while True:   # nothing left on w0 (an abort lands at its engine's next step)
             load = await b.workers["w0"].load.remote()
-            if load["running"] == 0 and load["waiting"] == 0:
+            if load.running == 0 and load.waiting == 0:
                 break
             assert time.monotonic() < deadline, load
             await asyncio.sleep(0.05)

@@ -68,11 +68,11 @@ def test_closing_the_stream_cancels_the_request_on_the_worker(backend):
         gen = b.generate("w0", [1, 2, 3], SamplingParams(max_new_tokens=3000, ignore_eos=True))
         for _ in range(3):
             await gen.__anext__()
-        assert _load(b)["running"] == 1
+        assert _load(b).running == 1
         await gen.aclose()        # what a client that leaves does to its stream
     asyncio.run(main())
     deadline = time.monotonic() + 3.0
-    while _load(b)["running"]:
+    while _load(b).running:
         assert time.monotonic() < deadline, "the worker still decodes the abandoned request"
         time.sleep(0.02)
 

@@ -223,10 +223,10 @@ def test_a_client_that_leaves_mid_stream_frees_the_decode_worker_at_once(cluster
             if line.startswith("data: {"):
                 got += 1
                 if got == 3:
-                    assert ray.get(dec.load.remote())["running"] == 1
+                    assert ray.get(dec.load.remote()).running == 1
                     break
     deadline = time.monotonic() + 3.0   # 3000 tokens would take far longer
-    while ray.get(dec.load.remote())["running"]:
+    while ray.get(dec.load.remote()).running:
         assert time.monotonic() < deadline, "the decode worker still runs the abandoned request"
         time.sleep(0.02)
 
@@ -270,7 +270,7 @@ def test_a_non_streamed_request_survives_its_decode_worker_dying(cluster, refere
     def kill_soon():   # once the request decodes there (a fixed delay may outlast it and hit the next test)
         dec = cluster["workers"]["decode-0"]
         deadline = time.monotonic() + 60
-        while ray.get(dec.load.remote())["running"] == 0 and time.monotonic() < deadline:
+        while ray.get(dec.load.remote()).running == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.1)
         ray.kill(dec, no_restart=False)

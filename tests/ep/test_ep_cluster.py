@@ -115,7 +115,7 @@ def test_rebalancer_moves_experts_between_ranks_mid_request(cluster, reference):
     t = threading.Thread(target=lambda: out.setdefault("ids", _generate(url, p, LONG)))
     t.start()
     deadline = time.monotonic() + 30
-    while ray.get(worker.load.remote())["running"] == 0 and time.monotonic() < deadline:
+    while ray.get(worker.load.remote()).running == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     rep = ray.get(eplb.trigger.remote(), timeout=60)
     in_flight = t.is_alive()

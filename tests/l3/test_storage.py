@@ -14,6 +14,7 @@ from actors.routing import L3_WORKER, PrefixIndex
 from actors.storage import StorageConfig, StorageService
 from engine import Engine, SamplingParams
 from engine.request import Status
+from engine.worker_load import WorkerLoad
 from storage.config import HiCacheConfig
 from storage.hashing import page_keys
 from storage.l3 import L3Config, l3_key, make_store
@@ -197,7 +198,7 @@ def test_storage_actor_shell_with_router(tmp_path):
         # What a worker does with the L3 writes its tree records: forward them, then report the position.
         pos = ray.get(actor.l3_stored.remote([KVEvent("stored", "L3", "full", tuple(keys))]), timeout=60)
         assert pos.seq >= 0
-        reply = ray.get(router.report.remote("w0", "colocated", {"queued_tokens": 0, "running": 0}, True, None, pos))
+        reply = ray.get(router.report.remote("w0", "colocated", WorkerLoad(), True, None, pos))
         assert not reply.ignored
 
         def l3_pages() -> int:

@@ -9,6 +9,7 @@ import time
 from actors.prefix_router import Router
 from actors.routing import L3_WORKER, RouterConfig
 from engine import Engine, SamplingParams
+from engine.worker_load import WorkerLoad
 from storage.config import HiCacheConfig
 from storage.geometry import KVGeometry
 from storage.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, Delivered, KVEventPublisher, KVEventsConfig,
@@ -160,7 +161,7 @@ def test_the_router_rebuilds_a_tree_exactly_from_a_snapshot_after_losing_its_his
         want = _tree_blocks(eng)
         assert want.get(("L1", "full")) and want.get(("L2", "full")) and want.get(("L1", "swa"))
         # A router that starts now: the replay no longer reaches back, so the history is lost...
-        router.report("w0", "prefill", {}, True, now=0.0)
+        router.report("w0", "prefill", WorkerLoad(), True, now=0.0)
         sub.follow("w0", stream.endpoint)
         router.apply(sub.catch_up("w0", stream.position().seq))
         assert router.lost == 1 and router.take_resync("w0", 1.0) and not router.take_resync("w0", 1.5)
@@ -187,7 +188,7 @@ def test_the_router_rebuilds_a_tree_exactly_from_a_snapshot_after_losing_its_his
 
 def test_the_router_reads_l3_only_from_the_l3_holder_and_skips_other_groups():
     router = Router(RouterConfig(), KVGeometry(16))
-    router.report("w0", "colocated", {}, True, now=0.0)
+    router.report("w0", "colocated", WorkerLoad(), True, now=0.0)
     from storage.kv_events.subscriber import Delivered as D
     from storage.kv_events.wire import DISK, EventBatch
     router.apply([D("w0", 0, EventBatch(0.0, [BlockStored([1, 2], None, [], 16, medium=GPU, group_idx=0),
@@ -208,8 +209,8 @@ def test_routing_waits_for_a_restart_warmup_and_for_a_first_snapshot():
     from actors.routing import NoWorkerError
     from storage.kv_events.wire import EventBatch
     r = Router(RouterConfig(), KVGeometry(16), ready_at=1.0)
-    r.report("p0", "prefill", {}, True, now=0.5)
-    r.report("d0", "decode", {"free_pages": 1}, True, now=0.5)
+    r.report("p0", "prefill", WorkerLoad(), True, now=0.5)
+    r.report("d0", "decode", WorkerLoad(free_pages=1), True, now=0.5)
     with pytest.raises(NoWorkerError, match="restarted"):   # retried by the ingress
         r.route([], 32, now=0.9)
     r.apply([Lost("p0", 0, 3)])

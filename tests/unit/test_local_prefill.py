@@ -4,6 +4,7 @@ import pytest
 
 from actors.prefix_router import Router
 from actors.routing import L3_WORKER, PrefixIndex, RouterConfig, local_prefill, prompt_blocks, prompt_keys
+from engine.worker_load import WorkerLoad
 from storage.geometry import KVGeometry
 from storage.radix.node import KVEvent
 
@@ -63,8 +64,8 @@ def test_off_and_recent_routes_and_validation():
 
 def _router(cfg: RouterConfig = CFG) -> Router:
     r = Router(cfg, GEOM)
-    r.report("p0", "prefill", {"queued_tokens": 0, "running": 0}, True, now=0.0)
-    r.report("d0", "decode", {"free_pages": 100, "running": 0}, True, now=0.0)
+    r.report("p0", "prefill", WorkerLoad(queued_tokens=0, running=0), True, now=0.0)
+    r.report("d0", "decode", WorkerLoad(free_pages=100, running=0), True, now=0.0)
     return r
 
 
@@ -76,7 +77,7 @@ def test_the_router_names_the_decode_worker_alone_and_never_as_the_sole_choice()
     again = r.route(BLOCKS, len(TOKS), now=0.2)
     assert (again.prefill, again.decode, again.cached_pages, again.alone) == ("d0", None, 10, False)
     assert r.status(0.2)["local_prefills"] == 1
-    assert r.loads["d0"]["running"] == 2 and r.loads["d0"]["queued_tokens"] == len(TOKS)
+    assert r.loads["d0"].running == 2 and r.loads["d0"].queued_tokens == len(TOKS)
     # a request with no decode phase (or one sent to the sole pair already) stays on the prefill worker
     stay = r.route(BLOCKS, len(TOKS), now=0.3, local=False)
     assert (stay.prefill, stay.decode, stay.alone) == ("p0", "d0", True)

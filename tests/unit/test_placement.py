@@ -6,6 +6,7 @@ from actors.prefix_router import Router
 from actors.routing import NoWorkerError, RouterConfig
 from cluster.placement import NodeInfo, PlacementConfig, RolePlacement, choose_node, plan
 from cluster.scale import plan as scale_plan
+from engine.worker_load import WorkerLoad
 from storage.geometry import KVGeometry
 
 NODES = [NodeInfo("head", True, {"CPU": 3}, True), NodeInfo("a", True, {"CPU": 3, "gpu_pool": 1}),
@@ -50,19 +51,19 @@ def test_scale_plan_fills_gaps_and_drains_the_highest_ids():
 
 def test_router_registry_liveness_and_drain_with_time_passed_in():
     r = Router(RouterConfig(), KVGeometry(16), stale_after=5.0)
-    r.report("prefill-0", "prefill", {"queued_tokens": 0}, True, now=0.0)
-    r.report("prefill-1", "prefill", {"queued_tokens": 0}, True, now=0.0)
-    r.report("decode-0", "decode", {"free_pages": 10}, True, now=0.0)
+    r.report("prefill-0", "prefill", WorkerLoad(queued_tokens=0), True, now=0.0)
+    r.report("prefill-1", "prefill", WorkerLoad(queued_tokens=0), True, now=0.0)
+    r.report("decode-0", "decode", WorkerLoad(free_pages=10), True, now=0.0)
     assert r.route([], 32, now=1.0).prefill == "prefill-0"
     r.drain("prefill-0")
     assert {r.route([], 32, now=1.0).prefill for _ in range(3)} == {"prefill-1"}
     # silent past stale_after: no traffic, until it reports again
-    r.report("prefill-1", "prefill", {"queued_tokens": 0}, False, now=6.0)
-    r.report("decode-0", "decode", {"free_pages": 10}, False, now=6.0)
+    r.report("prefill-1", "prefill", WorkerLoad(queued_tokens=0), False, now=6.0)
+    r.report("decode-0", "decode", WorkerLoad(free_pages=10), False, now=6.0)
     assert r.status(now=6.0)["workers"]["prefill-0"]["live"] is False
     r.restore_worker("prefill-0")
     assert r.live(("prefill",), now=6.0).keys() == {"prefill-1"}
-    r.report("prefill-0", "prefill", {"queued_tokens": 0}, True, now=6.5)
+    r.report("prefill-0", "prefill", WorkerLoad(queued_tokens=0), True, now=6.5)
     assert r.live(("prefill",), now=6.5).keys() == {"prefill-0", "prefill-1"}
     r.remove_worker("decode-0")
     with pytest.raises(NoWorkerError):

@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from actors.prefix_router import Router
 from actors.recent_routes import RecentRoutes
 from actors.routing import RouterConfig
+from engine.worker_load import WorkerLoad
 from storage.geometry import KVGeometry
 from storage.kv_events.subscriber import Delivered
 from storage.kv_events.wire import AllBlocksCleared, BlockStored, EventBatch
@@ -27,7 +28,7 @@ def blocks(tokens) -> list[int]:
 def two_prefill(cfg: RouterConfig) -> Router:
     r = Router(cfg, KVGeometry(16))
     for w, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")):
-        r.report(w, role, {"queued_tokens": 0, "free_pages": 100}, True, now=0.0)
+        r.report(w, role, WorkerLoad(queued_tokens=0, free_pages=100), True, now=0.0)
     return r
 
 
@@ -43,11 +44,11 @@ def test_a_repeat_before_the_events_goes_where_the_first_went_until_two_reports(
     r.recent.check_integrity()
     assert r.route(blocks([9, 9, 9]), 200, now=1.03).prefill == "p1"    # another prompt: by load
     # p0's first report may carry events taken before the route: the routes still count
-    r.report("p0", "prefill", {"queued_tokens": 400}, False, now=1.05)
+    r.report("p0", "prefill", WorkerLoad(queued_tokens=400), False, now=1.05)
     assert r.recent.pages(keys, ["p0", "p1"]) == {"p0": 12}
     r.recent.check_integrity()
     # its second report's events were taken after the route: the index alone speaks (here: evicted)
-    r.report("p0", "prefill", {"queued_tokens": 400}, False, now=1.1)
+    r.report("p0", "prefill", WorkerLoad(queued_tokens=400), False, now=1.1)
     late = r.route(keys, 200, now=1.11)
     assert late.prefill == "p1" and late.cached_pages == 0
     r.recent.check_integrity()
@@ -77,13 +78,13 @@ def test_a_worker_removed_silent_or_restarted_loses_what_it_was_sent():
     keys = blocks([5, 6, 7, 8])
     r = two_prefill(RouterConfig())
     assert r.route(keys, 64, now=1.0).prefill == "p0"
-    r.report("p0", "prefill", {"queued_tokens": 64}, True, now=1.01)   # a new incarnation: an empty tree
+    r.report("p0", "prefill", WorkerLoad(queued_tokens=64), True, now=1.01)   # a new incarnation: an empty tree
     assert r.recent.pages(keys, ["p0", "p1"]) == {}
     assert r.route(keys, 64, now=1.02).prefill == "p1"
     r.remove_worker("p1")
     assert r.recent.pages(keys, ["p0", "p1"]) == {}
     assert r.route(keys, 64, now=1.03).prefill == "p0"
-    r.report("d0", "decode", {"free_pages": 100}, False, now=20.0)
+    r.report("d0", "decode", WorkerLoad(free_pages=100), False, now=20.0)
     assert r.status(now=20.0)["workers"]["p0"]["live"] is False        # p0 silent past stale_after
     assert r.recent.pages(keys, ["p0"]) == {}
     r.recent.check_integrity()

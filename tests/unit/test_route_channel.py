@@ -24,6 +24,7 @@ from actors.prefix_router import ReportReply, Route, Router
 from actors.route_channel import (ChannelDown, ReportClient, RouteClient, RouteServer, RouterError, answer,
                                   decode_reply, encode_request)
 from actors.routing import NoWorkerError, RouterConfig
+from engine.worker_load import WorkerLoad
 from storage.geometry import KVGeometry
 from storage.kv_events.publisher import KVEventsEndpoint, StreamPosition
 from storage.kv_events.subscriber import Delivered
@@ -37,7 +38,7 @@ def _router(roles: dict[str, str]) -> Router:
     # The index alone (no recent routes): each answer here follows from the events the test applied.
     r = Router(RouterConfig(recent_reports=0), KVGeometry(16))
     for w, role in roles.items():
-        r.report(w, role, {"free_pages": 100}, True, now=time.monotonic())
+        r.report(w, role, WorkerLoad(free_pages=100), True, now=time.monotonic())
     return r
 
 
@@ -76,7 +77,7 @@ def test_answers_equal_the_routers_and_count_load_once(cluster):
     assert hit == Route("c1", None, 4, {"L1": 4, "L2": 0, "L3": 0}) and isinstance(hit, Route)
     assert avoided.prefill == "c0" and avoided.cached_pages == 0
     assert router.decisions == 2 and server.answered == 2
-    assert router.loads["c1"]["queued_tokens"] == 128 and router.loads["c0"]["queued_tokens"] == 128
+    assert router.loads["c1"].queued_tokens == 128 and router.loads["c0"].queued_tokens == 128
 
 
 def test_concurrent_requests_each_get_their_own_answer(cluster):
@@ -99,7 +100,7 @@ def test_concurrent_requests_each_get_their_own_answer(cluster):
 
 def test_no_worker_comes_back_as_itself_and_other_errors_name_the_router():
     router = Router(RouterConfig(), KVGeometry(16), ready_at=time.monotonic() + 60)   # a restart's warm-up
-    router.report("c0", "colocated", {}, True, now=time.monotonic())
+    router.report("c0", "colocated", WorkerLoad(), True, now=time.monotonic())
     calls = []
 
     def route(keys, prompt_len, avoid, local):
@@ -213,12 +214,12 @@ def test_reports_reach_the_routers_report_whole_and_its_answer_comes_back():
     c = ReportClient(server.endpoint, timeout=5)
     pos = StreamPosition(KVEventsEndpoint("kv@c0", "tcp://10.0.0.1:5557", "tcp://10.0.0.1:6557"), 41)
     l3 = StreamPosition(KVEventsEndpoint("kv@L3", "tcp://10.0.0.2:5557", "tcp://10.0.0.2:6557"), -1)
-    load = {"running": 3, "free_pages": 90, "kv_moved_bytes": {"L1->L2": 8192, "L2->L1": 0}}
+    load = WorkerLoad(running=3, free_pages=90, kv_moved_bytes={"L1->L2": 8192, "L2->L1": 0})
     try:
         assert c.report("c0", "colocated", load, True, pos, l3) == ReportReply(ignored=False, resync=True)
-        assert c.report("gone", "prefill", {}, False, None, None) == ReportReply(ignored=True, resync=False)
+        assert c.report("gone", "prefill", WorkerLoad(), False, None, None) == ReportReply(ignored=True, resync=False)
         with pytest.raises(RouterError, match=rf"router at {server.endpoint}: KeyError"):
-            c.report("bad", "decode", {}, False, None, None)
+            c.report("bad", "decode", WorkerLoad(), False, None, None)
         assert not c.closed   # an error is an answer: the channel stays
     finally:
         c.close()
@@ -230,7 +231,7 @@ def test_reports_reach_the_routers_report_whole_and_its_answer_comes_back():
     c = ReportClient(plain.endpoint, timeout=5)
     try:
         with pytest.raises(RouterError, match="takes no reports"):
-            c.report("c0", "colocated", {}, False, None, None)
+            c.report("c0", "colocated", WorkerLoad(), False, None, None)
     finally:
         c.close()
         plain.close()
@@ -242,17 +243,17 @@ def test_a_report_to_a_router_gone_or_silent_is_channel_down_and_closes_the_clie
         threading.Timer(0.5, os.kill, (proc.pid, signal.SIGKILL)).start()   # while its report waits
         t = time.monotonic()
         with pytest.raises(ChannelDown, match="lost"):
-            c.report("c0", "colocated", {}, False, None, None)
+            c.report("c0", "colocated", WorkerLoad(), False, None, None)
         assert time.monotonic() - t < 10 and c.closed   # not the 30 s timeout
         with pytest.raises(ChannelDown, match="closed"):
-            c.report("c0", "colocated", {}, False, None, None)
+            c.report("c0", "colocated", WorkerLoad(), False, None, None)
     silent = zmq.Context.instance().socket(zmq.ROUTER)   # takes the connection, never answers (hung)
     silent.setsockopt(zmq.LINGER, 0)
     port = silent.bind_to_random_port(f"tcp://{HOST}")
     c = ReportClient(f"tcp://{HOST}:{port}", timeout=0.3)
     try:
         with pytest.raises(ChannelDown, match="no answer to a report in 0.3s"):
-            c.report("c0", "colocated", {}, False, None, None)
+            c.report("c0", "colocated", WorkerLoad(), False, None, None)
         assert c.closed
     finally:
         c.close()

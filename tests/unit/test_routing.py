@@ -2,6 +2,7 @@
 import pytest
 
 from actors.routing import L3_WORKER, NoWorkerError, PrefixIndex, RouterConfig, pick_decode, prompt_blocks, prompt_keys, route
+from engine.worker_load import WorkerLoad
 from storage.radix.node import KVEvent
 from storage.geometry import KVGeometry
 
@@ -52,21 +53,22 @@ def test_l3_serves_every_worker_and_removal_events_are_honoured():
 def test_route_prefers_the_worker_holding_the_prefix_until_load_outweighs_it():
     idx = PrefixIndex()
     idx.apply("p1", [ev("stored", "L1", "full", KEYS), ev("stored", "L1", "swa", KEYS[-2:])])
-    loads = {"p0": {"queued_tokens": 0, "running": 0}, "p1": {"queued_tokens": 0, "running": 0}}
+    loads = {"p0": WorkerLoad(queued_tokens=0, running=0), "p1": WorkerLoad(queued_tokens=0, running=0)}
     w, ov = route(idx, BLOCKS, len(TOKS), loads, CFG, GEOM)
     assert w == "p1" and ov.pages == 10
-    busy = {"p0": {"queued_tokens": 0, "running": 0}, "p1": {"queued_tokens": 5000, "running": 3}}
+    busy = {"p0": WorkerLoad(queued_tokens=0, running=0), "p1": WorkerLoad(queued_tokens=5000, running=3)}
     assert route(idx, BLOCKS, len(TOKS), busy, CFG, GEOM)[0] == "p0"
     idx.drop_worker("p1")
     assert len(idx) == 0 and route(idx, BLOCKS, len(TOKS), loads, CFG, GEOM)[0] == "p0"
 
 
 def test_pick_decode_and_errors():
-    assert pick_decode({"d0": {"free_pages": 10, "running": 4}, "d1": {"free_pages": 10, "running": 0}}) == "d1"
+    assert pick_decode({"d0": WorkerLoad(free_pages=10, running=4),
+                        "d1": WorkerLoad(free_pages=10, running=0)}) == "d1"
     # Of equals, the first listed: a stable choice between idle decode workers.
-    same = {"free_pages": 10, "running": 1}
-    assert pick_decode({"d1": dict(same), "d0": dict(same), "d2": {"free_pages": 9, "running": 1}}) == "d1"
-    assert pick_decode({"d0": dict(same), "d1": dict(same)}) == "d0"
+    same = WorkerLoad(free_pages=10, running=1)
+    assert pick_decode({"d1": same, "d0": same, "d2": WorkerLoad(free_pages=9, running=1)}) == "d1"
+    assert pick_decode({"d0": same, "d1": same}) == "d0"
     # No live worker is its own error: the ingress waits it out after a router restart.
     with pytest.raises(NoWorkerError, match="no decode worker"):
         pick_decode({})
@@ -147,14 +149,14 @@ def test_overlap_matches_the_page_by_page_rule_on_random_indexes(compiled, monke
                 own = idx.own_overlap(BLOCKS[:n], worker, w)
                 assert (own.pages, own.by_tier) == _ref_overlap(idx, BLOCKS[:n], worker, w, False), (trial, worker, w)
             # route: the lowest cost (the first on a tie), from the same overlaps
-            loads = {x: {"queued_tokens": rng.choice((0, 4, 8)), "running": rng.randrange(2)} for x in workers}
+            loads = {x: WorkerLoad(queued_tokens=rng.choice((0, 4, 8)), running=rng.randrange(2)) for x in workers}
             geom = KVGeometry(page_size=4, window=4 * w + 1) if w else KVGeometry(page_size=4)
             costs = []
             for x in workers:
                 pages, tiers = _ref_overlap(idx, BLOCKS[:n], x, w)
                 costs.append((CFG.miss_weight * (4 * n + 1 - pages * 4)
                               + 4 * (CFG.l1_weight * tiers["L1"] + CFG.l2_weight * tiers["L2"] + CFG.l3_weight * tiers["L3"])
-                              + CFG.load_weight * loads[x]["queued_tokens"] + CFG.running_weight * loads[x]["running"]))
+                              + CFG.load_weight * loads[x].queued_tokens + CFG.running_weight * loads[x].running))
             pick, ov = route(idx, BLOCKS[:n], 4 * n + 1, loads, CFG, geom)
             assert pick == workers[costs.index(min(costs))]
             assert (ov.pages, ov.by_tier) == _ref_overlap(idx, BLOCKS[:n], pick, w)

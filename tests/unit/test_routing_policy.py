@@ -4,6 +4,7 @@ import dataclasses
 import pytest
 
 from actors.routing import PrefixIndex, RouterConfig, prompt_blocks, prompt_keys, route
+from engine.worker_load import WorkerLoad
 from storage.radix.node import KVEvent
 from storage.geometry import KVGeometry
 
@@ -12,7 +13,7 @@ GEOM = KVGeometry(page_size=4, window=8)
 TOKS = list(range(41))
 KEYS = prompt_keys(TOKS, GEOM, CFG)
 BLOCKS = prompt_blocks(TOKS, GEOM, CFG)
-IDLE = {w: {"queued_tokens": 0, "running": 0} for w in ("p0", "p1", "p2")}
+IDLE = {w: WorkerLoad(queued_tokens=0, running=0) for w in ("p0", "p1", "p2")}
 
 
 def _index_with_prefix_on(worker: str) -> PrefixIndex:
