@@ -18,11 +18,16 @@ class RMSNorm(nn.Module):
         self.offset = offset    # Gemma stores w and scales by (1 + w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the activation dtype: bf16 variance loses too much.
-        dtype = x.dtype
-        h = x.to(torch.float32)
+        # Normalise in fp32 whatever the activation dtype: bf16 variance loses too much. The casts and
+        # the offset are made only where they change something: a small model's step runs this several times
+        # a layer, and each no-op call costs a few microseconds.
+        dtype, f32 = x.dtype, torch.float32
+        h = x if dtype == f32 else x.to(f32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return ((self.weight.to(torch.float32) + self.offset) * h).to(dtype)
+        w = self.weight if self.weight.dtype == f32 else self.weight.to(f32)
+        if self.offset:
+            w = w + self.offset
+        return w * h if dtype == f32 else (w * h).to(dtype)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
