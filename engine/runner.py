@@ -59,16 +59,17 @@ class ModelRunner:
             if sq.samples:
                 logit_idx.append(t - 1)
         logit_idx += extra
+        alone = not segs and len(dec) == t   # one-token rows only, in batch order
 
         def lt(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=dev)
 
         waits = [f for sq in seqs if sq.req.hit is not None for f in sq.req.hit.waits if not f.done]
         meta = BatchMeta(segs, lt(pos), lt(fpages), lt(foffs), lt(swa_idx), lt(swa_pages), lt(swa_offs),
-                         lt(logit_idx), self._decode_meta(dec) if dec else None, waits)
+                         lt(logit_idx), self._decode_meta(dec, alone) if dec else None, waits)
         return lt(ids), meta
 
-    def _decode_meta(self, dec: list[tuple[int, ScheduledSeq]]) -> DecodeMeta:
+    def _decode_meta(self, dec: list[tuple[int, ScheduledSeq]], alone: bool = False) -> DecodeMeta:
         """Pad the one-token segments' page lists into rectangles; masks mark the real key slots. Built
         from Python lists in one tensor call each: per-row tensors and element writes cost ~70 us a row,
         which was ~10% of a 16-request decode step of a small model on CPU."""
@@ -87,9 +88,11 @@ class ModelRunner:
         # Positions of the read pages' slots, from the first slot of the first read page.
         rslot = torch.arange(r_max * ps)[None, :] + (lo - lo % ps)[:, None]
         swa_valid = (rslot >= lo[:, None]) & (rslot < start[:, None])
+        swa_keys = torch.cat([swa_valid, swa_valid.new_ones(len(dec), 1)], dim=1)
         if dev.type == "cpu":
-            return DecodeMeta(tok.contiguous(), full, full_valid, swa, swa_valid)
-        return DecodeMeta(tok.to(dev), full.to(dev), full_valid.to(dev), swa.to(dev), swa_valid.to(dev))
+            return DecodeMeta(tok.contiguous(), full, full_valid, swa, swa_valid, swa_keys, alone)
+        return DecodeMeta(tok.to(dev), full.to(dev), full_valid.to(dev), swa.to(dev), swa_valid.to(dev),
+                          swa_keys.to(dev), alone)
 
     def run(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
         """-> logits [number of sampling segments + len(self.prompt_rows), vocab] fp32: the sampling

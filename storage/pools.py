@@ -73,10 +73,11 @@ class KVPool:
 
     def read(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of whole pages in order: pages [n] long -> two [n * page_size, num_kv_heads, head_dim]."""
-        s = self.layer_slot[layer]
-        blk = self.kv[s, pages]  # [n, 2, ps, H, D]
-        return (blk[:, 0].reshape(-1, self.num_kv_heads, self.head_dim),
-                blk[:, 1].reshape(-1, self.num_kv_heads, self.head_dim))
+        kv = self.kv[self.layer_slot[layer]]  # [N, 2, ps, H, D]
+        # K and V each by index_select on its own: one copy of each page (splitting a gathered [n, 2, ps, H,
+        # D] would copy it again, as its K or V half is no view of that shape), and the cheaper gather.
+        return (kv[:, 0].index_select(0, pages).reshape(-1, self.num_kv_heads, self.head_dim),
+                kv[:, 1].index_select(0, pages).reshape(-1, self.num_kv_heads, self.head_dim))
 
 
 class KVPools:

@@ -45,6 +45,10 @@ class DecodeMeta:
     full_valid: torch.Tensor        # [B, P * page_size] key slot holds a position <= the query's
     swa_pages: torch.Tensor         # [B, R] pages covering [swa_lo, start), padded
     swa_valid: torch.Tensor         # [B, R * page_size] key slot holds a position in [swa_lo, start)
+    # [B, R * page_size + 1]: swa_valid, then the row's own fresh key (always a key). Built once a step, not
+    # in every sliding layer: a small model's step pays each op's few microseconds in every layer.
+    swa_keys_valid: torch.Tensor
+    all_rows: bool = False          # the batch is these rows alone, in order (tok is arange(B))
 
 
 @dataclass
@@ -104,10 +108,15 @@ def _attend_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: to
 
 def _gather_pages(pool: KVPool, layer: int, pages: torch.Tensor, dtype: torch.dtype):
     """pages [B, P] -> k, v [B, P * page_size, Hkv, D]."""
-    blk = pool.kv[pool.layer_slot[layer]][pages]   # [B, P, 2, ps, H, D]
+    kv = pool.kv[pool.layer_slot[layer]]   # [N, 2, ps, H, D]
     b, p = pages.shape
     shape = (b, p * pool.page_size, pool.num_kv_heads, pool.head_dim)
-    return blk[:, :, 0].reshape(shape).to(dtype), blk[:, :, 1].reshape(shape).to(dtype)
+    # K and V each by index_select on its own: gathering [B, P, 2, ps, H, D] by advanced indexing and then
+    # splitting it copied every page twice (a gathered page's K or V half is no view of its shape), and
+    # index_select is the cheaper gather (2-3x at a decode step's sizes here).
+    flat = pages.reshape(-1)
+    return (kv[:, 0].index_select(0, flat).reshape(shape).to(dtype),
+            kv[:, 1].index_select(0, flat).reshape(shape).to(dtype))
 
 
 def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta,
@@ -115,13 +124,18 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     """q [T, Hq, D], k/v [T, Hkv, D] (already rotated) -> [T, Hq * D]."""
     for fut in meta.waits:  # this layer's cached pages may still be arriving from L2
         fut.wait_layer(pool.name, pool.layer_slot[layer])
-    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+    dm = meta.dec
+    # A batch of one-token rows alone (most decode steps) needs no gather of its rows and no scatter back.
+    alone = dm is not None and dm.all_rows
+    out = None if alone else torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
     if window is None:
         pool.write(layer, meta.full_pages, meta.full_offs, k, v)
-        if meta.dec is not None:
-            dm = meta.dec
+        if dm is not None:
             kk, vv = _gather_pages(pool, layer, dm.full_pages, q.dtype)
-            out[dm.tok] = _attend_batched(q[dm.tok], kk, vv, dm.full_valid, sinks, scale)
+            o = _attend_batched(q if alone else q[dm.tok], kk, vv, dm.full_valid, sinks, scale)
+            if alone:
+                return o
+            out[dm.tok] = o
         for sg in meta.segs:
             kk, vv = pool.read(layer, sg.full_pages)
             kk, vv = kk[:sg.end].to(q.dtype), vv[:sg.end].to(q.dtype)
@@ -141,13 +155,15 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         kpos = torch.arange(sg.swa_lo, sg.end, device=q.device)
         out[sg.t0:sg.t1] = _attend(q[sg.t0:sg.t1], kk, vv, meta.positions[sg.t0:sg.t1], kpos,
                                    sinks, scale, window)
-    if meta.dec is not None:
-        dm = meta.dec
+    if dm is not None:
         ko, vo = _gather_pages(pool, layer, dm.swa_pages, q.dtype)
-        kk = torch.cat([ko, k[dm.tok, None]], dim=1)
-        vv = torch.cat([vo, v[dm.tok, None]], dim=1)
-        valid = torch.cat([dm.swa_valid, dm.swa_valid.new_ones(dm.swa_valid.shape[0], 1)], dim=1)
-        out[dm.tok] = _attend_batched(q[dm.tok], kk, vv, valid, sinks, scale)
+        kk = torch.cat([ko, (k if alone else k[dm.tok])[:, None]], dim=1)
+        vv = torch.cat([vo, (v if alone else v[dm.tok])[:, None]], dim=1)
+        o = _attend_batched(q if alone else q[dm.tok], kk, vv, dm.swa_keys_valid, sinks, scale)
+        if alone:
+            out = o
+        else:
+            out[dm.tok] = o
     if meta.swa_idx.numel():
         pool.write(layer, meta.swa_pages, meta.swa_offs, k[meta.swa_idx], v[meta.swa_idx])
     return out

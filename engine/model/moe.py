@@ -76,6 +76,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         scores, idx = self.router(x)
-        self.expert_counts += torch.bincount(idx.reshape(-1), minlength=self.num_logical)
+        # In place: ``+=`` would also assign the buffer again through nn.Module.__setattr__ in every layer.
+        self.expert_counts.add_(torch.bincount(idx.reshape(-1), minlength=self.num_logical))
         slot = idx if self.slots is None else self.slots.route(idx)
         return self.dispatch(x, slot, scores, self.experts)

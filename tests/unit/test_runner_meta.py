@@ -2,10 +2,16 @@
 the key slots each query may read, whatever the mix of lengths in the batch."""
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 
+from engine.model.attention import paged_attention
 from engine.runner import ModelRunner
 from engine.scheduler import ScheduledSeq
+from storage.config import KVPoolConfig
+from storage.pools import KVPools
 
 PS = 4
 
@@ -57,6 +63,9 @@ def test_decode_rows_are_padded_and_masked_per_row() -> None:
         # those in [swa_lo, start) are keys (the query's own K/V joins them from the batch).
         base = sq.swa_lo - sq.swa_lo % PS
         assert dm.swa_valid[i].tolist() == [sq.swa_lo <= base + s < sq.start for s in range(r_max * PS)]
+        # The sliding layers' keys: those slots, then the row's own fresh key.
+        assert dm.swa_keys_valid[i].tolist() == dm.swa_valid[i].tolist() + [True]
+    assert not dm.all_rows   # the prefill's tokens sit among the rows
     assert len(meta.segs) == 1 and (meta.segs[0].t0, meta.segs[0].t1) == (2, 8)
     assert meta.logit_idx.tolist() == [0, 1, 7, 8, 9]
 
@@ -67,4 +76,32 @@ def test_a_batch_without_any_swa_reads_has_empty_swa_rectangles() -> None:
     dm = meta.dec
     assert dm.swa_pages.shape == (2, 0) and dm.swa_pages.dtype == torch.long
     assert dm.swa_valid.shape == (2, 0)
+    assert dm.swa_keys_valid.tolist() == [[True], [True]]
     assert dm.full_valid.tolist() == [[True, False, False, False], [True, True, False, False]]
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_a_batch_of_one_token_rows_alone_attends_as_the_general_path(sinks: bool) -> None:
+    """A step of decode rows only (most decode steps) skips the gather of its rows from the batch and the
+    scatter back: the same outputs, bit for bit, and the same pool contents as the general path."""
+    seqs = [_decode(9, 3, 0), _decode(1, 0, 10), _decode(14, 6, 20), _decode(5, 4, 30)]
+    _, meta = ModelRunner(None, _Pools, torch.device("cpu")).build_meta(seqs)
+    assert meta.dec.all_rows and meta.dec.tok.tolist() == [0, 1, 2, 3]
+    general = dataclasses.replace(meta, dec=dataclasses.replace(meta.dec, all_rows=False))
+    g = torch.Generator().manual_seed(0)
+    hq, hkv, d = 4, 2, 8
+    sink = torch.randn(hq, generator=g) if sinks else None
+    for window in (None, 8):
+        outs, kv = [], []
+        for m in (meta, general):
+            pools = KVPools(KVPoolConfig(page_size=PS, num_pages=128, swa_full_ratio=1.0),
+                            ["sliding_attention", "full_attention"], num_kv_heads=hkv, head_dim=d)
+            pool = pools.swa if window else pools.full
+            layer = 0 if window else 1
+            pool.kv.copy_(torch.randn(pool.kv.shape, generator=torch.Generator().manual_seed(1)))
+            q, k, v = (torch.randn(4, h, d, generator=torch.Generator().manual_seed(2 + i))
+                       for i, h in enumerate((hq, hkv, hkv)))
+            outs.append(paged_attention(layer, q, k, v, m, pool, sink, d ** -0.5, window))
+            kv.append(pool.kv.clone())
+        assert outs[0].shape == (4, hq * d)
+        assert torch.equal(outs[0], outs[1]) and torch.equal(kv[0], kv[1])
