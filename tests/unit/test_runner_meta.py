@@ -12,6 +12,7 @@ from engine.runner import ModelRunner
 from engine.scheduler import ScheduledSeq
 from storage.config import KVPoolConfig
 from storage.pools import KVPools
+from tests.numerics import assert_close
 
 PS = 4
 
@@ -80,10 +81,12 @@ def test_a_batch_without_any_swa_reads_has_empty_swa_rectangles() -> None:
     assert dm.full_valid.tolist() == [[True, False, False, False], [True, True, False, False]]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("sinks", [False, True])
 def test_a_batch_of_one_token_rows_alone_attends_as_the_general_path(sinks: bool) -> None:
     """A step of decode rows only (most decode steps) skips the gather of its rows from the batch and the
-    scatter back: the same outputs, bit for bit, and the same pool contents as the general path."""
+    scatter back: the same outputs as the general path (within the numerics policy: another layout of
+    the same rows may take another kernel) and the same pool contents (copies: equal)."""
     seqs = [_decode(9, 3, 0), _decode(1, 0, 10), _decode(14, 6, 20), _decode(5, 4, 30)]
     _, meta = ModelRunner(None, _Pools, torch.device("cpu")).build_meta(seqs)
     assert meta.dec.all_rows and meta.dec.tok.tolist() == [0, 1, 2, 3]
@@ -104,4 +107,7 @@ def test_a_batch_of_one_token_rows_alone_attends_as_the_general_path(sinks: bool
             outs.append(paged_attention(layer, q, k, v, m, pool, sink, d ** -0.5, window))
             kv.append(pool.kv.clone())
         assert outs[0].shape == (4, hq * d)
-        assert torch.equal(outs[0], outs[1]) and torch.equal(kv[0], kv[1])
+        # Sums over the keys (scores, then weights . values) and the head dimension.
+        keys = max(meta.dec.full_valid.shape[1], meta.dec.swa_keys_valid.shape[1], d)
+        assert_close(outs[0], outs[1], n=keys, depth=3, what=f"window {window}")
+        assert torch.equal(kv[0], kv[1])
