@@ -9,6 +9,7 @@ the cores).
     python -m bench.overhead --hops [--quick] [--configs colocated-l1]   # each hop's round trip (overhead_hops.py)
     python -m bench.overhead --timeline [--quick]   # one request's marks across its processes (overhead_timeline.py)
     python -m bench.overhead --fileio [--quick] [--configs colocated]   # the L3 file store's batch (overhead_fileio.py)
+    python -m bench.overhead --threads [--quick] [--configs colocated]   # CPU by thread, steps (overhead_threads.py)
 
 Every HTTP row uses one out-of-process load generator (bench/overhead_client.py): /generate with
 ``input_ids``, greedy, ``ignore_eos``. Each server is ``python -m cluster.cli serve`` on a fresh local
@@ -62,7 +63,8 @@ What #37 changed, and what is left (after; README "Serving overhead" has both ta
   creates a file (perf: __ext4_new_inode -> find_inode_bit -> recently_deleted), so after thousands of
   deletions an L3 page costs 0.2-0.8 ms of CPU to create instead of ~0.05. The servers' directories are
   removed when the bench ends, not between configs (``--keep-homes`` leaves them, for a run right after
-  another); a file L3 that evicts (unlinks) pages under load pays the same.
+  another); a file L3 that evicts (unlinks) pages under load pays the same. The table's row "a new 8 KiB
+  file, CPU us" (``file_create_us``, before and after each config) says which state a run met (session 45).
 - Session 19: the load generator sends with aiohttp (what SGLang's bench_serving and vLLM's
   benchmark_serving use); httpx cost ~1 ms more of the client's CPU and ~1 ms more latency per request
   (``--http httpx`` keeps it). A trace of one colocated request (1 new token, cached 512-token prompt, a
@@ -136,6 +138,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import os
 import signal
@@ -146,6 +149,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any, Iterator
 
 import yaml
 
@@ -278,6 +282,27 @@ def machine_ticks() -> tuple[int, int]:
 def steal_pct(before: tuple[int, int], after: tuple[int, int]) -> float:
     total = after[1] - before[1]
     return 100.0 * (after[0] - before[0]) / total if total > 0 else 0.0
+
+
+def file_create_us(n: int = 200, page_bytes: int = 8192) -> float:
+    """CPU us per new file (created, one page written, renamed onto its name: the file L3 store's write of a
+    page) in a fresh directory beside the servers' homes. On this machine's journal-less ext4 it is ~60-100
+    us, and several times that for minutes after thousands of files were removed (ext4's scan past recently
+    deleted inodes when it allocates one): a colocated worker's copier spent 1.9 ms of CPU per short request
+    then, 0.55 in a calmer minute. The files stay until the homes go (a removal now would slow what follows)."""
+    d = tempfile.mkdtemp(prefix="sovf")
+    _HOMES.append(d)
+    buf = bytes(page_bytes)
+    c0 = time.thread_time()   # this thread's CPU in ns (getrusage's split of it counts in ticks)
+    for i in range(n):
+        tmp = os.path.join(d, f".{i}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, buf)
+        finally:
+            os.close(fd)
+        os.rename(tmp, os.path.join(d, str(i)))
+    return 1e6 * (time.thread_time() - c0) / n
 
 
 def _stat(pid: int) -> tuple[int, float] | None:
@@ -477,6 +502,26 @@ def _remove_homes() -> None:
         shutil.rmtree(home, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def joined(name: str) -> Iterator[tuple[Server, Any]]:
+    """A fresh ``name`` server after 16 short requests at once (every path taken), and this process joined
+    to its Ray cluster as a driver (to reach its actors); yields (server, the ``ray`` module), and leaves
+    the cluster and stops the server after."""
+    from cluster.launch import set_ray_env
+    set_ray_env()
+    import ray
+    srv = Server(name)
+    try:
+        srv.ask({"op": "requests", "prompts": prompts(16, SHORT, 99), "max_new": SHORT_NEW, "concurrency": 16})
+        ray.init(address=srv.ray_address(), namespace="strata", log_to_driver=False)
+        yield srv, ray
+    finally:
+        try:
+            ray.shutdown()
+        finally:
+            srv.stop()
+
+
 def _sum_cpu(parts: list[dict]) -> dict:
     return {k: statistics.fmean(p[k] for p in parts) for k in parts[0]}
 
@@ -612,6 +657,9 @@ def report(res: dict) -> str:
     if any("steal_pct" in res[n] for n in names):
         out.append({"what": "CPU time the hypervisor took (steal) %",
                     **{n: f"{res[n]['steal_pct']:.1f}" for n in names if "steal_pct" in res[n]}})
+    if any("file_create_us" in res[n] for n in names):
+        out.append({"what": "a new 8 KiB file, CPU us (before / after)", **{
+            n: "{:.0f} / {:.0f}".format(*res[n]["file_create_us"]) for n in names if "file_create_us" in res[n]}})
     text = table(out, ["what"] + names)
     cpu_rows = []
     for n in names[1:] if eng else names:
@@ -655,6 +703,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="the file L3 store's compiled batch of system calls against Python's, by turns, in this "
                          "process and in a server's workers (bench/overhead_fileio.py; --configs: one config, "
                          "colocated by default)")
+    ap.add_argument("--threads", action="store_true",
+                    help="CPU per short request by thread, and the workers' steps per request, against the same "
+                         "requests in one process (bench/overhead_threads.py; --configs: one config, colocated "
+                         "by default)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="--hops: set the server processes' GIL switch interval (s) through the bench's hook")
     ap.add_argument("--profile-rate", type=int, default=100)
@@ -679,6 +731,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.fileio:
         from bench.overhead_fileio import run_fileio   # compiled against Python L3 writes (overhead_fileio.py)
         return run_fileio(args.configs if args.configs in CONFIGS else "colocated", args.quick)
+    if args.threads:
+        from bench.overhead_threads import run_threads   # by thread, and steps per request (overhead_threads.py)
+        return run_threads(args.configs if args.configs in CONFIGS else "colocated", args.quick)
     if args.profile:
         from bench.overhead_profile import run_profile   # py-spy and Ray call counts (bench/overhead_profile.py)
         name = args.configs if args.configs in CONFIGS else "colocated"
@@ -688,10 +743,11 @@ def main(argv: list[str] | None = None) -> int:
     res: dict = {}
     t0 = time.monotonic()
     for name in args.configs.split(","):
-        t, ticks = time.monotonic(), machine_ticks()
+        t, ticks, created = time.monotonic(), machine_ticks(), file_create_us()
         try:
             res[name] = engine_rows(reps) if name == "engine" else http_rows(name, reps, args.http)
             res[name]["steal_pct"] = steal_pct(ticks, machine_ticks())
+            res[name]["file_create_us"] = (created, file_create_us())
             if name != "engine" and "engine" in res:
                 res[name]["engine_after"] = engine_again(reps)
         except Exception as e:  # noqa: BLE001 - the other configs' rows still count

@@ -18,7 +18,7 @@ import tempfile
 import time
 
 from bench.common import merge_json, table
-from bench.overhead import _HOMES, SHORT, SHORT_NEW, Server, prompts
+from bench.overhead import _HOMES, SHORT, SHORT_NEW, joined, prompts
 
 
 def switch_fileio(actor, compiled: bool) -> bool:
@@ -58,13 +58,7 @@ def batch_us(n: int) -> dict:
 
 
 def fileio_rows(name: str, rounds: int) -> dict:
-    from cluster.launch import set_ray_env
-    set_ray_env()
-    import ray
-    srv = Server(name)
-    try:
-        srv.ask({"op": "requests", "prompts": prompts(16, SHORT, 99), "max_new": SHORT_NEW, "concurrency": 16})
-        ray.init(address=srv.ray_address(), namespace="strata", log_to_driver=False)
+    with joined(name) as (srv, ray):
         workers = [ray.get_actor(a["name"], namespace="strata") for a in ray.util.list_named_actors(all_namespaces=True)
                    if a["namespace"] == "strata" and a["name"].startswith(("strata-colocated-", "strata-prefill-",
                                                                             "strata-decode-"))]
@@ -79,11 +73,6 @@ def fileio_rows(name: str, rounds: int) -> dict:
                                "max_new": SHORT_NEW, "concurrency": 16})
                 rates[way].append(64 / out["wall"])
         ray.get([w.__ray_call__.remote(switch_fileio, True) for w in workers])
-    finally:
-        try:
-            ray.shutdown()
-        finally:
-            srv.stop()
     ratios = sorted(a / b for a, b in zip(rates["compiled"], rates["python"]))
     return {"config": name, "rounds": rounds, "workers": len(workers),
             "short_req_s": {w: round(statistics.median(v), 1) for w, v in rates.items()},

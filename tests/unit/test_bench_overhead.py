@@ -252,3 +252,62 @@ def test_steal_is_the_share_of_the_machine_s_ticks_and_the_report_shows_it():
            "streams64": {"ttft": d}, "steal_pct": 2.5}
     line = [ln for ln in report({"engine": eng}).splitlines() if "(steal) %" in ln]
     assert len(line) == 1 and line[0].split()[-1] == "2.5", line
+
+
+def test_file_create_probe_costs_cpu_per_file_and_the_report_shows_it(tmp_path, monkeypatch):
+    import bench.overhead as ov
+    monkeypatch.setattr(ov.tempfile, "tempdir", str(tmp_path))
+    homes = list(ov._HOMES)
+    us = ov.file_create_us(n=20)
+    made = [h for h in ov._HOMES if h not in homes]
+    monkeypatch.setattr(ov, "_HOMES", homes)     # this test's directory goes with tmp_path
+    assert us >= 0 and len(made) == 1 and made[0].startswith(str(tmp_path))
+    import os
+    assert sorted(os.listdir(made[0]), key=int) == [str(i) for i in range(20)]   # renamed, no temp left
+    assert all(os.path.getsize(os.path.join(made[0], f)) == 8192 for f in os.listdir(made[0]))
+    d = {"p50": 1.0, "p90": 2.0, "p99": 3.0}
+    eng = {"ttft_cached": d, "long64": {"p50": 0.1}, "short": {"req_s": 100.0}, "short_batch64": {"req_s": 200.0},
+           "streams64": {"ttft": d}, "file_create_us": (61.2, 640.0)}
+    line = [ln for ln in report({"engine": eng}).splitlines() if "8 KiB file" in ln]
+    assert len(line) == 1 and line[0].split()[-3:] == ["61", "/", "640"], line
+
+
+def test_threads_rows_name_the_busiest_threads_per_request_and_sum_the_rest_by_kind():
+    from bench.overhead_threads import rows_per_thread
+    before = {(1, 10): ("ray::IDLE", 1.0), (1, 11): ("ray::IDLE", 0.5), (2, 20): ("python", 0.0),
+              (2, 21): ("ZMQbg/IO/0", 0.1)}
+    after = {(1, 10): ("ray::IDLE", 1.64), (1, 11): ("ray::IDLE", 0.58), (2, 20): ("python", 0.04),
+             (2, 21): ("ZMQbg/IO/0", 0.1), (1, 12): ("ray::IDLE", 0.02)}   # a thread started meanwhile: not counted
+    rows = rows_per_thread(before, after, {1: "workers", 2: "client"}, {10: "strata-colocated-0", 11: "strata-copier"},
+                           requests=64, top=2)
+    assert [(r["process"], r["thread"]) for r in rows] == [("workers", "strata-colocated-0"),
+                                                           ("workers", "strata-copier"), ("client", "(the others)")]
+    assert [round(r["cpu_ms_per_req"], 3) for r in rows] == [10.0, 1.25, 0.625]
+
+
+def test_threads_probe_names_this_process_s_python_threads_and_reads_their_cpu():
+    import os
+    import threading
+    from bench.overhead_threads import python_threads, thread_cpu
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait, name="probe-thread")
+    t.start()
+    try:
+        pid, names = python_threads()
+        assert pid == os.getpid() and names[t.native_id] == "probe-thread"
+        cpu = thread_cpu([os.getpid()])
+        assert (pid, t.native_id) in cpu and (pid, threading.main_thread().native_id) in cpu
+        assert all(v >= 0 for _, v in cpu.values())
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_threads_in_process_reference_runs_the_waves_and_the_closed_loop_on_the_engine_thread():
+    from bench.overhead_threads import in_process_rows
+    out = in_process_rows(1)
+    assert set(out) == {"waves", "closed16"}
+    # 4 waves of 16: one prefill step and 7 decode steps each; the closed loop of 16 keeps them in step
+    assert out["waves"]["steps_per_req"] == 0.5
+    assert 0.5 <= out["closed16"]["steps_per_req"] <= 1.0
+    assert all(v["cpu_ms_per_req"] > 0 and v["req_s"] > 0 for v in out.values())
