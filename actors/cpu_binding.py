@@ -1,18 +1,21 @@
-"""CPU binding: workers whose engines run on the CPU, two or more on a machine, keep their processes on cores
-of their own, as vLLM's and SGLang's CPU backends bind each rank's threads to a core set.
+"""CPU binding: workers whose engines run on the CPU keep their processes on cores of their own (one alone on
+its machine too), as vLLM's and SGLang's CPU backends bind each rank's threads to a core set.
 
 Why: with two engines on one machine the scheduler, placing each thread beside whichever thread woke it,
 often stacks both engine threads on one core while another idles. Bound, 1P+1D on 2 cores did better in
 paired rounds (the binding switched on and off every few seconds on one server, 30 pairs): cached TTFT
 p50 -0.5 ms (19 of 30), the workers' CPU per request -0.17 ms (21 of 30), 64 short requests at 16 in flight
-+8 req/s (18 of 30). A worker alone on its machine gained nothing (colocated: TTFT better bound in 10 of 30,
-short requests in 14 of 30), so it stays unbound (README "Serving overhead", session 33).
++8 req/s (18 of 30). A worker alone on its machine binds too (session 45): unbound, the OS moves its engine
+thread between the cores and beside the ingress, and its 64-token request took 1.03-1.34x (median 1.14) an
+engine's by turns in the bench's process (bench/overhead.py ``by_turns``), bound 1.03-1.10x (median 1.05):
+better in 6 of 8 alternated servers, the cached TTFT's gap over the engine 4.15 against 4.65 ms (medians).
+Session 33's rounds, which switched a running server's binding, had found no TTFT gain for it.
 
 Which cores: every worker that may bind holds a *seat* on its machine, an exclusive ``flock`` on the file
 ``seat<k>`` (the lowest k free) in a directory per user. Seats count the workers of every strata cluster on
 the machine (several Ray nodes on one machine share its cores) with no coordinator, and a seat ends with its
-process. While two or more seated workers fit the cores a process may use (``torch_threads`` each), seat k
-binds to the k-th group of cores counted from the highest (core 0 is where the kernel and everything
+process. While the seated workers (one alone too) fit the cores a process may use (``torch_threads`` each),
+seat k binds to the k-th group of cores counted from the highest (core 0 is where the kernel and everything
 unbound land first). When they outnumber the cores, every one of them is unbound and the OS places them: two
 workers bound to one core, and a third beside two bound ones, each measured worse than three workers placed
 by the OS on two cores (2P+1D: TTFT and the 64-token request worse in 3 of 3 alternating pairs either way).
@@ -52,9 +55,9 @@ def cores_to_bind(mode: str, device: str, torch_threads: int, ep_size: int, usab
 
 def seat_cores(seat: int, seated: int, per_worker: int, usable: Sequence[int]) -> list[int] | None:
     """The cores of the worker in ``seat`` while ``seated`` workers hold seats, each binding ``per_worker``
-    of ``usable``; None: unbound (alone, more workers than cores, or a seat past them until it moves down)."""
+    of ``usable``; None: unbound (more workers than cores, or a seat past them until it moves down)."""
     order = sorted(set(usable), reverse=True)
-    if seated < 2 or seated * per_worker > len(order) or (seat + 1) * per_worker > len(order):
+    if seated * per_worker > len(order) or (seat + 1) * per_worker > len(order):
         return None
     return order[seat * per_worker:(seat + 1) * per_worker]
 

@@ -19,7 +19,8 @@ Ray cluster (own STRATA_HOME, free port); its processes' CPU times come from /pr
 Short requests over HTTP run closed-loop, 16 in flight; the engine runs them as 4 waves of 16 (and one
 batch of 64). When the run has the engine row, the engine alone is measured again right after each config
 (its server stopped), and the config is shown against that too: on a shared VM the machine's speed moves by
-half within minutes, which one engine row at the start cannot show. Writes bench/results/overhead.json
+half within minutes, which one engine row at the start cannot show. Each config also runs the cached TTFT and
+the 64-token request by turns with an engine in this process (``by_turns``). Writes bench/results/overhead.json
 (``--profile``: overhead_profile.json).
 
 Findings before #37 [fastpath] (Serve's Python proxy in front, one Ray streamed object per token; 2 cores
@@ -178,9 +179,9 @@ ENGINE = dict(page_size=16, num_pages=2048, max_batch_tokens=512, max_running_re
               enable_prefix_cache=True, swa_full_ratio=0.5)
 KINDS = ("proxy", "ingress", "router", "workers", "storage", "serve_controller", "ray_system", "launcher",
          "client")
-REPS = {  # (ttft n, 64-token n, short runs, /v1/models n, 64-stream runs, slow runs, idle s)
-    "quick": dict(ttft=20, long=4, short=1, models=40, streams=1, slow=1, idle=2.0),
-    "full": dict(ttft=100, long=15, short=3, models=200, streams=3, slow=2, idle=5.0),
+REPS = {  # (ttft n, 64-token n, short runs, /v1/models n, 64-stream runs, slow runs, idle s, by-turns rounds)
+    "quick": dict(ttft=20, long=4, short=1, models=40, streams=1, slow=1, idle=2.0, turns=6),
+    "full": dict(ttft=100, long=15, short=3, models=200, streams=3, slow=2, idle=5.0, turns=20),
 }
 
 
@@ -522,6 +523,39 @@ def joined(name: str) -> Iterator[tuple[Server, Any]]:
             srv.stop()
 
 
+def by_turns(srv: Server, rounds: int) -> dict:
+    """The cached TTFT and the 64-token request over HTTP and in an engine of this process (the server's engine
+    settings, the engine row's call) by turns, the order swapped every round, so that both meet the same
+    minute of the machine. The engine runs beside the idle server (whose idle load cost the engine ~2% in
+    session 42), and after the HTTP request's pause as the server's worker does after the client's (a step
+    after an idle gap costs more on this VM). Not the targets' rows: those compare absolute figures taken
+    apart; this says what the stack adds when the machine's drift is taken out."""
+    from engine import Engine, SamplingParams
+    eng = Engine.from_pretrained("strata-tiny", **ENGINE)
+    long = prompts(1, LONG, 1)[0]
+    out: dict = {}
+    try:
+        for key, new in (("ttft_cached", 1), ("long64", LONG_NEW)):
+            sp = SamplingParams(max_new_tokens=new, ignore_eos=True, temperature=0.0)
+            eng.generate(long, sp)
+            lat: dict[str, list[float]] = {"http": [], "engine": []}
+            for r in range(rounds):
+                for side in ("http", "engine") if r % 2 == 0 else ("engine", "http"):
+                    if side == "http":
+                        a = srv.ask({"op": "requests", "prompts": [long], "max_new": new, "concurrency": 1})
+                        lat[side].append(a["latency"][0])
+                    else:
+                        t = time.perf_counter()
+                        eng.generate(long, sp)
+                        lat[side].append(time.perf_counter() - t)
+            ratios = sorted(h / e for h, e in zip(lat["http"], lat["engine"]))
+            out[key] = {"http_p50": statistics.median(lat["http"]), "engine_p50": statistics.median(lat["engine"]),
+                        "paired_ratio_p50": ratios[len(ratios) // 2], "rounds": rounds}
+    finally:
+        eng.close()
+    return out
+
+
 def _sum_cpu(parts: list[dict]) -> dict:
     return {k: statistics.fmean(p[k] for p in parts) for k in parts[0]}
 
@@ -559,6 +593,7 @@ def _http_rows(srv: Server, reps: dict) -> dict:
     r, cpu = srv.phase({"op": "requests", "prompts": [long] * reps["long"], "max_new": LONG_NEW, "concurrency": 1},
                        reps["long"])
     out["long64"] = {**dist(r["latency"], 1.0), "cpu_ms_per_req": cpu, "wrong_length": r["wrong_length"]}
+    out["by_turns"] = by_turns(srv, reps["turns"])
     rates, cpus, bad = [], [], 0
     for i in range(reps["short"]):
         r, cpu = srv.phase({"op": "requests", "prompts": prompts(64, SHORT, 1000 + i), "max_new": SHORT_NEW,
@@ -654,6 +689,15 @@ def report(res: dict) -> str:
                 for n, a in again.items()}})
             out.append({"what": "  against it: TTFT +ms, 64 new x, short x",
                         **{n: _against(res[n], a) for n, a in again.items()}})
+    turns = {n: res[n]["by_turns"] for n in names if "by_turns" in res[n]}
+    if turns:
+        out.append({"what": "by turns with an engine here: TTFT ms, engine ms", **{
+            n: f"{t['ttft_cached']['http_p50'] * 1e3:.1f}, {t['ttft_cached']['engine_p50'] * 1e3:.1f}"
+            for n, t in turns.items()}})
+        out.append({"what": "  64 new: s, engine s (paired x)", **{
+            n: "{:.3f}, {:.3f} ({:.2f}x)".format(*(t["long64"][k] for k in ("http_p50", "engine_p50",
+                                                                             "paired_ratio_p50")))
+            for n, t in turns.items()}})
     if any("steal_pct" in res[n] for n in names):
         out.append({"what": "CPU time the hypervisor took (steal) %",
                     **{n: f"{res[n]['steal_pct']:.1f}" for n in names if "steal_pct" in res[n]}})

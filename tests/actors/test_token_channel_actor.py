@@ -115,11 +115,10 @@ def _cores_of(w) -> tuple[list[int] | None, set[tuple[int, ...]]]:
     return cores, {tuple(sorted(os.sched_getaffinity(int(t)))) for t in tids}
 
 
-def test_two_workers_on_a_machine_bind_to_cores_of_their_own_and_one_alone_is_unbound(backend):
+def test_workers_on_a_machine_bind_to_cores_of_their_own_alone_or_two(backend):
     """CPU engines with torch_threads=1 (actors/cpu_binding.py): the worker alone (restarted by the kill
-    above: its seat is its new process's) is unbound; a second one on this machine, and each takes a core of
-    its own within the refresh, every thread of its process on it; the second gone, the first is unbound
-    again."""
+    above: its seat is its new process's) is bound to the highest core; a second one on this machine takes
+    a core of its own, every thread of its process on it; the second gone, the first keeps its core."""
     import os
     from actors.cpu_binding import REFRESH_S, held_seats
     from actors.worker import WorkerActor
@@ -128,20 +127,19 @@ def test_two_workers_on_a_machine_bind_to_cores_of_their_own_and_one_alone_is_un
         pytest.skip("one usable core: nothing to bind to")
     w0, path = backend[0].workers["w0"], backend[1]
     assert held_seats() == 1, "another worker holds a seat on this machine (a cluster beside the tests?)"
-    assert _cores_of(w0) == (None, {usable})
+    hi, lo = [usable[-1]], [usable[-2]]
+    assert _cores_of(w0) == (hi, {tuple(hi)})
     cfg = EngineConfig(model=path, page_size=16, num_pages=64, torch_threads=1)
     w1 = WorkerActor.options(num_cpus=0.5).remote("w1", "colocated", cfg, None)
     try:
-        c1, affs1 = _cores_of(w1)
-        assert c1 is not None and len(c1) == 1 and affs1 == {tuple(c1)}
-        deadline = time.monotonic() + 10 * REFRESH_S
-        while (c0 := _cores_of(w0))[0] is None:
-            assert time.monotonic() < deadline, "the first worker did not bind once a second one came"
-            time.sleep(REFRESH_S / 4)
-        assert len(c0[0]) == 1 and c0[0] != c1 and c0[1] == {tuple(c0[0])}
+        assert _cores_of(w1) == (lo, {tuple(lo)})   # seat 1: the next core down
+        assert held_seats() == 2
+        assert _cores_of(w0) == (hi, {tuple(hi)})
     finally:
         ray.kill(w1, no_restart=True)
     deadline = time.monotonic() + 20 * REFRESH_S
-    while _cores_of(w0) != (None, {usable}):
-        assert time.monotonic() < deadline, "the first worker stayed bound once alone again"
+    while held_seats() != 1:
+        assert time.monotonic() < deadline, "the second worker's seat outlived its process"
         time.sleep(REFRESH_S / 4)
+    time.sleep(2 * REFRESH_S)   # a refresh alone again
+    assert _cores_of(w0) == (hi, {tuple(hi)})

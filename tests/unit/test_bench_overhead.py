@@ -311,3 +311,31 @@ def test_threads_in_process_reference_runs_the_waves_and_the_closed_loop_on_the_
     assert out["waves"]["steps_per_req"] == 0.5
     assert 0.5 <= out["closed16"]["steps_per_req"] <= 1.0
     assert all(v["cpu_ms_per_req"] > 0 and v["req_s"] > 0 for v in out.values())
+
+
+def test_by_turns_alternates_http_and_the_engine_and_the_report_shows_both():
+    from bench.overhead import LONG_NEW, by_turns
+
+    class FakeServer:   # answers as the load generator does, in a fixed time
+        def __init__(self):
+            self.asked = []
+
+        def ask(self, cmd):
+            self.asked.append(cmd["max_new"])
+            return {"ok": True, "latency": [0.5]}
+    srv = FakeServer()
+    out = by_turns(srv, rounds=3)
+    assert srv.asked == [1, 1, 1, LONG_NEW, LONG_NEW, LONG_NEW]
+    for key in ("ttft_cached", "long64"):
+        t = out[key]
+        assert t["http_p50"] == 0.5 and 0 < t["engine_p50"] < 0.5 and t["rounds"] == 3
+        assert t["paired_ratio_p50"] == pytest.approx(0.5 / t["engine_p50"])   # odd rounds: the median pair
+    d = {"p50": 1.0, "p90": 2.0, "p99": 3.0}
+    cpu = {"cpu_ms_per_req": {"ingress": 1.0}}
+    row = {"ttft_cached": {**d, **cpu}, "long64": {"p50": 0.2}, "short": {"req_s": 100.0, **cpu},
+           "streams64": {"ttft": d, **cpu}, "by_turns": {
+        "ttft_cached": {"http_p50": 0.0105, "engine_p50": 0.0061, "paired_ratio_p50": 1.7, "rounds": 3},
+        "long64": {"http_p50": 0.264, "engine_p50": 0.258, "paired_ratio_p50": 1.02, "rounds": 3}}}
+    lines = report({"colocated": row}).splitlines()
+    assert any("by turns" in ln and "10.5, 6.1" in ln for ln in lines), lines
+    assert any("64 new: s, engine s" in ln and "0.264, 0.258 (1.02x)" in ln for ln in lines), lines

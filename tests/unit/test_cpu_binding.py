@@ -41,7 +41,7 @@ def test_two_or_more_seats_get_distinct_cores_from_the_highest_while_they_fit():
     usable = [0, 1, 2, 3]
     assert [seat_cores(k, 4, 1, usable) for k in range(4)] == [[3], [2], [1], [0]]
     assert [seat_cores(k, 2, 2, usable) for k in range(2)] == [[3, 2], [1, 0]]
-    assert seat_cores(0, 1, 1, usable) is None       # alone: the OS places it
+    assert seat_cores(0, 1, 1, usable) == [3]        # alone: the highest core too (session 45)
     assert seat_cores(0, 5, 1, usable) is None       # more workers than cores: every one unbound
     assert seat_cores(0, 3, 2, usable) is None
     assert seat_cores(4, 2, 1, usable) is None       # a seat past the cores waits until it moves down
@@ -81,7 +81,7 @@ HOLDER = textwrap.dedent("""
 
 
 @affinity
-def test_workers_bind_to_distinct_cores_and_unbind_when_alone_or_outnumbering_them(tmp_path):
+def test_workers_bind_to_distinct_cores_and_unbind_when_outnumbering_them(tmp_path):
     two = sorted(os.sched_getaffinity(0))[:2]
     hi, lo = two[1], two[0]
 
@@ -98,7 +98,7 @@ def test_workers_bind_to_distinct_cores_and_unbind_when_alone_or_outnumbering_th
     (p1, c1) = start()
     procs = [p1]
     try:
-        assert c1 == "None"       # alone on the machine: the OS places it
+        assert c1 == f"[{hi}]"    # alone on the machine: the highest core
         p2, c2 = start()
         procs.append(p2)
         assert c2 == f"[{lo}]" and os.sched_getaffinity(p2.pid) == {lo}
@@ -114,7 +114,7 @@ def test_workers_bind_to_distinct_cores_and_unbind_when_alone_or_outnumbering_th
         assert refresh(p1) == f"[{hi}] [({hi},)]"
         p3.stdin.close()
         p3.wait()
-        assert refresh(p1) == f"None [({lo}, {hi})]"   # alone again
+        assert refresh(p1) == f"[{hi}] [({hi},)]"   # alone again: its core kept
         p1.stdin.write("close\n")
         p1.stdin.flush()
         assert p1.stdout.readline().strip() == "None 0"   # closed: its seat given up, none taken again
