@@ -8,7 +8,7 @@ p50 -0.5 ms (19 of 30), the workers' CPU per request -0.17 ms (21 of 30), 64 sho
 +8 req/s (18 of 30). A worker alone on its machine binds too (session 45): unbound, the OS moves its engine
 thread between the cores and beside the ingress, and its 64-token request took 1.03-1.34x (median 1.14) an
 engine's by turns in the bench's process (bench/overhead.py ``by_turns``), bound 1.03-1.10x (median 1.05):
-better in 6 of 8 alternated servers, the cached TTFT's gap over the engine 4.15 against 4.65 ms (medians).
+better in 6 of 8 pairs of alternated servers, the cached TTFT's gap over the engine 4.15 against 4.65 ms (medians).
 Session 33's rounds, which switched a running server's binding, had found no TTFT gain for it.
 
 Which cores: every worker that may bind holds a *seat* on its machine, an exclusive ``flock`` on the file

@@ -9,10 +9,11 @@ worker says its engine steps and decode rows per request (``stats()``). In this 
 settings run the same requests as the engine row does (4 waves of 16, on the engine's own thread) and as the
 server gets them (``AsyncEngine``, 16 in flight): the engine thread's CPU and its steps per request.
 
-What this showed (session 45, colocated): the worker's engine thread is the bound, ~6.3-7.0 ms of CPU per
-short request against 5.4-5.6 in one process either way; the server's steps hold ~10 decode rows where one
-process's hold ~16 (each request is out of the worker for its HTTP round trips), so 0.66-0.68 steps per
-request against 0.51. Merged into bench/results/overhead.json as ``threads_<config>``."""
+What this showed (session 45, colocated, the worker unbound): the worker's engine thread is the bound,
+6.3-8.4 ms of CPU per short request against 5.2-6.2 in one process either way, the same CPU per step; the
+server's steps hold ~10 decode rows where one process's hold ~14-16 (each request is out of the worker for
+its HTTP round trips), so 0.58-0.71 steps per request against 0.50-0.52. Merged into
+bench/results/overhead.json as ``threads_<config>``."""
 from __future__ import annotations
 
 import asyncio

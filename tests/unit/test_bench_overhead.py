@@ -322,14 +322,14 @@ def test_by_turns_alternates_http_and_the_engine_and_the_report_shows_both():
 
         def ask(self, cmd):
             self.asked.append(cmd["max_new"])
-            return {"ok": True, "latency": [0.5]}
+            return {"ok": True, "latency": [5.0]}   # slower than any engine request here
     srv = FakeServer()
     out = by_turns(srv, rounds=3)
     assert srv.asked == [1, 1, 1, LONG_NEW, LONG_NEW, LONG_NEW]
     for key in ("ttft_cached", "long64"):
         t = out[key]
-        assert t["http_p50"] == 0.5 and 0 < t["engine_p50"] < 0.5 and t["rounds"] == 3
-        assert t["paired_ratio_p50"] == pytest.approx(0.5 / t["engine_p50"])   # odd rounds: the median pair
+        assert t["http_p50"] == 5.0 and 0 < t["engine_p50"] < 5.0 and t["rounds"] == 3
+        assert t["paired_ratio_p50"] == pytest.approx(5.0 / t["engine_p50"])   # odd rounds: the median pair
     d = {"p50": 1.0, "p90": 2.0, "p99": 3.0}
     cpu = {"cpu_ms_per_req": {"ingress": 1.0}}
     row = {"ttft_cached": {**d, **cpu}, "long64": {"p50": 0.2}, "short": {"req_s": 100.0, **cpu},
