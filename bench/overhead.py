@@ -749,8 +749,9 @@ def main(argv: list[str] | None = None) -> int:
                          "colocated by default)")
     ap.add_argument("--threads", action="store_true",
                     help="CPU per short request by thread, and the workers' steps per request, against the same "
-                         "requests in one process (bench/overhead_threads.py; --configs: one config, colocated "
-                         "by default)")
+                         "requests in one process; the cached TTFT and the 64-token request by turns with an "
+                         "engine in the worker's process (bench/overhead_threads.py; --configs: one config, "
+                         "colocated by default)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="--hops: set the server processes' GIL switch interval (s) through the bench's hook")
     ap.add_argument("--profile-rate", type=int, default=100)

@@ -313,6 +313,58 @@ def test_threads_in_process_reference_runs_the_waves_and_the_closed_loop_on_the_
     assert all(v["cpu_ms_per_req"] > 0 and v["req_s"] > 0 for v in out.values())
 
 
+def test_in_worker_turns_alternate_http_and_an_engine_in_the_worker_s_process_and_close_it():
+    """The actor is faked (``__ray_call__`` runs the function here, as Ray runs it in the worker's process)
+    and so is the server (5 s a request): the engine side is real, each role's worker is the one asked, the
+    engine thread's CPU is read for the HTTP side, and the engine built for the turns is closed after each."""
+    import os
+    import threading
+    from bench import overhead_threads as ot
+
+    calls = []
+
+    class Handle:
+        def __init__(self, name):
+            self.name = name
+            self.__ray_call__ = self
+
+        def remote(self, fn, *args):
+            calls.append((self.name, fn.__name__, args))
+            return fn(None, *args)
+
+    class FakeRay:
+        @staticmethod
+        def get(x, timeout=None):
+            return x
+
+    class FakeServer:
+        def __init__(self):
+            self.asked = []
+
+        def ask(self, cmd):
+            self.asked.append((cmd["max_new"], len(cmd["prompts"])))
+            return {"ok": True, "latency": [5.0] * len(cmd["prompts"])}
+
+    srv = FakeServer()
+    me = (os.getpid(), threading.get_native_id())
+    workers = {"strata-prefill-0": Handle("strata-prefill-0"), "strata-decode-0": Handle("strata-decode-0")}
+    out = ot.in_worker_turns(srv, FakeRay, workers, {w: me for w in workers}, rounds=2)
+    assert srv.asked == [(1, 20)] * 2 + [(ot.LONG_NEW, 3)] * 2
+    assert out["ttft_cached"]["worker"] == "strata-prefill-0" and out["long64"]["worker"] == "strata-decode-0"
+    for key, per in (("ttft_cached", 20), ("long64", 3)):
+        t = out[key]
+        assert t["requests"] == 2 * per and t["http_p50"] == 5.0
+        assert 0 < t["worker_engine_p50"] < 5.0 and 0 < t["worker_engine_b2b_p50"] < 5.0 and t["ratio_p50"] > 1
+        assert all(t["engine_thread_cpu_ms"][k] > 0 for k in ("worker_engine", "worker_engine_b2b"))
+        assert t["engine_thread_cpu_ms"]["http"] >= 0
+    # per role: one warm-up request, a batch each round after a pause and one back to back (the order swapped
+    # the second round), then the engine closed
+    assert [(w, f) for w, f, _ in calls] == [(w, f) for w in workers for f in
+                                             ("worker_engine_request",) * 5 + ("worker_engine_close",)]
+    assert [c[2] for c in calls[1:5]] == [(1, 20, ot.PAUSE_S), (1, 20, 0.0), (1, 20, 0.0), (1, 20, ot.PAUSE_S)]
+    assert not ot._WORKER_ENGINE
+
+
 def test_by_turns_alternates_http_and_the_engine_and_the_report_shows_both():
     from bench.overhead import LONG_NEW, by_turns
 
