@@ -88,12 +88,12 @@ def worker_engine_request(_actor=None, new: int = 1, n: int = 1, pause: float = 
     of the server's settings built there once, each after ``pause`` seconds asleep. Returns each request's
     seconds and this thread's CPU seconds for all of them."""
     from engine import Engine, SamplingParams
+    long = prompts(1, LONG, 1)[0]
     eng = _WORKER_ENGINE.get("engine")
     if eng is None:
         eng = _WORKER_ENGINE["engine"] = Engine.from_pretrained("strata-tiny", **ENGINE)
-    long = prompts(1, LONG, 1)[0]
+        eng.generate(long, SamplingParams(max_new_tokens=1, ignore_eos=True))   # cached, as the server's is
     sp = SamplingParams(max_new_tokens=new, ignore_eos=True, temperature=0.0)
-    eng.generate(long, sp)   # cached from here on, as the server's prompt is
     lat, c0 = [], time.thread_time()
     for _ in range(n):
         time.sleep(pause)
@@ -118,7 +118,8 @@ PAUSE_S = 0.005
 def in_worker_turns(srv, ray, workers: dict, engine_threads: dict, rounds: int) -> dict:
     """The cached TTFT and the 64-token request over HTTP and on an engine in the process of the worker that
     makes the request's tokens (the same core binding, the same neighbours: the colocated worker; in P/D the
-    prefill worker for one token, the decode worker for 64), that engine back to back and after a pause
+    prefill worker for one token, the decode worker for 64; with two of a role, the first, and the HTTP
+    side's CPU summed over that role's engine threads), that engine back to back and after a pause
     (PAUSE_S) before each request, by turns, the order swapped every round: what the serving path adds with
     the machine's minute and the process's place on it taken out, and what the pause alone costs there.
     Also that worker's engine thread's CPU per HTTP request (/proc, 10 ms ticks summed over every round)
@@ -131,7 +132,13 @@ def in_worker_turns(srv, ray, workers: dict, engine_threads: dict, rounds: int) 
         name = next((w for w in workers if role in w), next(iter(workers)))
         if name not in engine_threads:
             continue
-        handle, engine_thread = workers[name], engine_threads[name]
+        handle = workers[name]
+        threads = [engine_threads[w] for w in workers if role in w and w in engine_threads] or [engine_threads[name]]
+        pids = sorted({pid for pid, _ in threads})
+
+        def http_cpu() -> float:
+            now = thread_cpu(pids)
+            return sum(now[t][1] for t in threads if t in now)
         lat: dict[str, list[float]] = {k: [] for k in sides}
         cpu = dict.fromkeys(sides, 0.0)
         try:
@@ -139,9 +146,9 @@ def in_worker_turns(srv, ray, workers: dict, engine_threads: dict, rounds: int) 
             for r in range(rounds):
                 for side in list(sides) if r % 2 == 0 else list(sides)[::-1]:
                     if side == "http":
-                        c0 = thread_cpu([engine_thread[0]]).get(engine_thread, ("", 0.0))[1]
+                        c0 = http_cpu()
                         a = srv.ask({"op": "requests", "prompts": [long] * per, "max_new": new, "concurrency": 1})
-                        cpu[side] += thread_cpu([engine_thread[0]]).get(engine_thread, ("", c0))[1] - c0
+                        cpu[side] += http_cpu() - c0
                         lat[side] += a["latency"]
                     else:
                         ls, c = ray.get(handle.__ray_call__.remote(worker_engine_request, new, per, sides[side]),
