@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-import kernels
+from storage.kernels_path import transfer  # first: it puts kernels/ on the `kernels` package's path
 from kernels.ref import RUN_BYTES_MIN, find_runs, ref_l1_to_l2, ref_l2_to_l1
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kernels.json"
@@ -53,7 +53,7 @@ def _method(n_bytes: int, src: torch.Tensor, dst: torch.Tensor) -> str:
     return "runs" if n_bytes / runs >= RUN_BYTES_MIN else "index"
 
 
-def run(pages: int, reps: int, methods: bool, page_sizes=PAGE_SIZES, layouts=kernels.LAYOUTS) -> list[dict]:
+def run(pages: int, reps: int, methods: bool, page_sizes=PAGE_SIZES, layouts=transfer.LAYOUTS) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     rows = []
     for ps in page_sizes:
@@ -61,7 +61,7 @@ def run(pages: int, reps: int, methods: bool, page_sizes=PAGE_SIZES, layouts=ker
         pool_pages = 2 * pages
         l1 = _filled((LAYERS, pool_pages, E), DTYPE)
         for layout in layouts:
-            l2 = _filled(kernels.l2_shape(layout, LAYERS, pool_pages, ps, E), DTYPE)
+            l2 = _filled(transfer.l2_shape(layout, LAYERS, pool_pages, ps, E), DTYPE)
             for direction in ("backup", "load"):
                 src = torch.randperm(pool_pages, generator=gen)[:pages]
                 dst = torch.randperm(pool_pages, generator=gen)[:pages]
@@ -70,7 +70,7 @@ def run(pages: int, reps: int, methods: bool, page_sizes=PAGE_SIZES, layouts=ker
                     n_bytes = pages * E * l1.element_size() * (LAYERS if layer is None else 1)
                     a = _filled((n_bytes // l1.element_size(),), DTYPE)
                     b = torch.zeros_like(a)
-                    api = kernels.l1_to_l2 if direction == "backup" else kernels.l2_to_l1
+                    api = transfer.l1_to_l2 if direction == "backup" else transfer.l2_to_l1
                     t_op, t_mem = _best_pair(lambda: api(l1, l2, layout, src, dst, layer, page_size=ps),
                                              lambda: b.copy_(a), reps)
                     row = dict(layout=layout, page_size=ps, op=direction, layers=mode, mbytes=n_bytes / 2**20,
@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--methods", action="store_true", help="also time the index and runs methods alone")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--page-sizes", type=int, nargs="+", default=list(PAGE_SIZES))
-    ap.add_argument("--layouts", nargs="+", default=list(kernels.LAYOUTS), choices=kernels.LAYOUTS)
+    ap.add_argument("--layouts", nargs="+", default=list(transfer.LAYOUTS), choices=transfer.LAYOUTS)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -35,8 +35,8 @@ import time
 
 import torch
 
-import kernels
 from bench.common import table, write_json
+from storage.kernels_path import transfer
 from storage.l3 import HEADER_BYTES, L3Config, l3_key, make_store
 from storage.l3.base import page_bytes
 
@@ -56,7 +56,7 @@ def _page_bytes(geo: str) -> int:
 
 def _pool(geo: str, pages: int) -> torch.Tensor:
     layers, _, _, ps, dtype = GEOMETRIES[geo]
-    pool = kernels.alloc_l2(kernels.PAGE_FIRST_DIRECT, layers, pages, ps, _elems(geo), dtype)
+    pool = transfer.alloc_l2(transfer.PAGE_FIRST_DIRECT, layers, pages, ps, _elems(geo), dtype)
     return pool.uniform_(-1, 1)   # written, not just allocated: untouched pages read as the zero page
 
 

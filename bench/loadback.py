@@ -20,11 +20,11 @@ import time
 
 import torch
 
-import kernels
 from bench.common import table, write_json
 from engine import Engine, SamplingParams
 from storage.config import HiCacheConfig
 from storage.copier import LayerFuture
+from storage.kernels_path import transfer
 from tests import numerics
 from tests.unit.test_loadback import conversations, run_rounds
 
@@ -112,16 +112,16 @@ def ttft(layout: str, reps: int, link_ms: float = 0.0) -> dict:
 
 @contextlib.contextmanager
 def _link(ms: float):
-    orig = kernels.l2_to_l1
+    orig = transfer.l2_to_l1
     if ms > 0:
         def slow(*a, **kw):
             time.sleep(ms / 1e3)
             return orig(*a, **kw)
-        kernels.l2_to_l1 = slow
+        transfer.l2_to_l1 = slow
     try:
         yield
     finally:
-        kernels.l2_to_l1 = orig
+        transfer.l2_to_l1 = orig
 
 
 @contextlib.contextmanager
@@ -149,7 +149,7 @@ def _copy_s(eng: Engine, n_pages: int, reps: int) -> float:
             pool, host = eng.pools.pool(c), eng.cache.host.pool(c)
             src, dst = list(range(n)), list(range(pool.num_pages - n, pool.num_pages))
             for slot in range(len(pool.layer_ids)):
-                kernels.l2_to_l1(pool.flat(), host.data, host.layout, src, dst, layer=slot, check=False)
+                transfer.l2_to_l1(pool.flat(), host.data, host.layout, src, dst, layer=slot, check=False)
         best = min(best, time.perf_counter() - t)
     return best
 

@@ -18,7 +18,7 @@ A page of one layer is then ``n_chunks`` contiguous chunks of ``chunk`` elements
 (direction, layout, layer) case to that one strided description, which the Triton and CUDA kernels take.
 
 The ``ref_*`` ops are the CPU fallback and the oracle of the other backends. They do no validation (the
-dispatch in ``kernels/__init__.py`` does); ``src_pages``/``dst_pages`` are 1-D int64 tensors.
+dispatch in ``kernels/transfer.py`` does); ``src_pages``/``dst_pages`` are 1-D int64 tensors.
 """
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-import kernels
 from storage.config import HiCacheConfig
+from storage.kernels_path import transfer
 from storage.pools import COMPONENTS, FULL, KVPool, KVPools, PageAllocator
 
 
@@ -26,7 +26,7 @@ class HostPool:
         n = num_pages if self.num_layers else 0
         self.allocator = PageAllocator(n, self.name)
         pin = l1.kv.device.type == "cuda"
-        self.data = kernels.alloc_l2(layout, self.num_layers, n, l1.page_size, l1.page_elems, l1.kv.dtype,
+        self.data = transfer.alloc_l2(layout, self.num_layers, n, l1.page_size, l1.page_elems, l1.kv.dtype,
                                      "cpu", pin_memory=pin)
         self.page_bytes = self.num_layers * l1.page_elems * l1.kv.element_size()
 
@@ -36,12 +36,12 @@ class HostPool:
 
     def page(self, p: int) -> torch.Tensor:
         """One page's bytes as a flat view (page_first_direct) or a copy (other layouts), for L3 I/O."""
-        if self.layout == kernels.PAGE_FIRST_DIRECT or self.layout == kernels.PAGE_FIRST:
+        if self.layout == transfer.PAGE_FIRST_DIRECT or self.layout == transfer.PAGE_FIRST:
             return self.data[p].reshape(-1)
         return self.data[:, p].reshape(-1)
 
     def set_page(self, p: int, flat: torch.Tensor) -> None:
-        if self.layout == kernels.LAYER_FIRST:
+        if self.layout == transfer.LAYER_FIRST:
             self.data[:, p] = flat.view(self.data[:, p].shape)
         else:
             self.data[p] = flat.view(self.data[p].shape)

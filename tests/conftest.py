@@ -9,5 +9,9 @@ os.environ["STRATA_HOME"] = os.environ.get("STRATA_TEST_HOME") or os.path.join(
 
 import torch  # noqa: E402
 
+# strata's kernels/ is a namespace package that Hugging Face's `kernels` (transformers' dependency) may own:
+# its modules resolve once storage.kernels_path has put kernels/ on the package's path (see there).
+import storage.kernels_path  # noqa: E402,F401
+
 # Tests run many tiny ops: on 2 cores one intra-op thread is faster and leaves a core to Ray and helpers.
 torch.set_num_threads(1)

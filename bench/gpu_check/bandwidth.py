@@ -9,7 +9,7 @@ from bench.gpu_check.checks import Checks, timed
 
 def run(dev: torch.device, quick: bool) -> dict:
     """GB/s (bytes moved / time, one direction) of L1 <-> L2 page moves."""
-    import kernels
+    from storage.kernels_path import transfer
     from kernels import ref
     if dev.type == "cuda":
         L, h, d, ps, n_pool, n_move, reps = 32, 8, 128, 16, 512, 256, 5
@@ -35,11 +35,11 @@ def run(dev: torch.device, quick: bool) -> dict:
     src = torch.randperm(n_pool, generator=g)[:n_move]
     dst = torch.randperm(n_pool, generator=g)[:n_move]
     for layout in ref.LAYOUTS:
-        l2 = kernels.alloc_l2(layout, L, n_pool, ps, E, dtype, pin_memory=dev.type == "cuda")
+        l2 = transfer.alloc_l2(layout, L, n_pool, ps, E, dtype, pin_memory=dev.type == "cuda")
         v1 = ref.page_view(l1, "l1", layout, ref.chunking(l2, layout)[0], None)
         v2 = ref.page_view(l2, "l2", layout, ref.chunking(l2, layout)[0], None)
         for direction, link_key in ((ref.L1_TO_L2, "D2H"), (ref.L2_TO_L1, "H2D")):
-            fn = kernels.l1_to_l2 if direction == ref.L1_TO_L2 else kernels.l2_to_l1
+            fn = transfer.l1_to_l2 if direction == ref.L1_TO_L2 else transfer.l2_to_l1
             s_idx, d_idx = (src, dst)
             for backend in backends:
                 with checks.check(f"{layout} {direction} {backend}"):

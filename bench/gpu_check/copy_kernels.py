@@ -29,7 +29,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _case(backend: str, dev: torch.device, g, shape, dtype, layout: str, place: str, direction: str,
           layer, pattern: str) -> dict | None:
     """One copy through ``backend`` against ref_* on CPU copies of the same tiers; None when equal."""
-    import kernels
+    from storage.kernels_path import transfer
     from kernels import ref
     name, L, p1, p2, ps, h, d = shape
     E = 2 * ps * h * d
@@ -47,7 +47,7 @@ def _case(backend: str, dev: torch.device, g, shape, dtype, layout: str, place: 
         l2 = l2.to(dev)
     want1, want2 = l1.cpu().clone(), l2.cpu().clone()
     (ref.ref_l1_to_l2 if direction == ref.L1_TO_L2 else ref.ref_l2_to_l1)(want1, want2, layout, src, dst, layer)
-    fn = kernels.l1_to_l2 if direction == ref.L1_TO_L2 else kernels.l2_to_l1
+    fn = transfer.l1_to_l2 if direction == ref.L1_TO_L2 else transfer.l2_to_l1
     ran = fn(l1, l2, layout, src, dst, layer, page_size=ps, backend=backend)
     sync(dev)
     ok1, ok2 = torch.equal(_bits(l1), _bits(want1)), torch.equal(_bits(l2), _bits(want2))
@@ -58,6 +58,7 @@ def _case(backend: str, dev: torch.device, g, shape, dtype, layout: str, place: 
 
 
 def run(dev: torch.device, quick: bool) -> dict:
+    import storage.kernels_path  # noqa: F401  (kernels/ on the `kernels` package's path)
     from kernels import ref, triton_copy
     from kernels.cuda import loader
     backends = ["torch"]

@@ -16,6 +16,7 @@ def run(dev: torch.device, quick: bool) -> dict:
             "cuda_available": torch.cuda.is_available(), "triton": version("triton"),
             "transformers": version("transformers"), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "imports": {m: imports(m) for m in OPTIONAL}}
+    import storage.kernels_path  # noqa: F401  (kernels/ on the `kernels` package's path)
     from kernels.cuda import loader
     nvcc = loader.nvcc_path()
     info["nvcc"] = nvcc

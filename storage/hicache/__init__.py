@@ -8,11 +8,11 @@
     prefetch.py   prefetch policies, cuts, Prefetch    tier.py      the tier interface, NoTier
     hit.py        PrefixHit, Room
 """
-import kernels  # noqa: F401  (tests slow the copies down through ``storage.hicache.kernels``)
 from storage.hicache.cache import HiCache
 from storage.hicache.hit import PrefixHit, Room
 from storage.hicache.host_tier import HostTier
 from storage.hicache.no_cache import NoCache
 from storage.hicache.prefetch import prefetch_ready, usable_end
+from storage.kernels_path import transfer  # noqa: F401  (tests slow the copies down through it)
 
 __all__ = ["HiCache", "NoCache", "PrefixHit", "Room", "HostTier", "prefetch_ready", "usable_end"]

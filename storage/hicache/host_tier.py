@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-import kernels
 from storage.config import HiCacheConfig
 from storage.copier import Copier, Job, LayerFuture, wait_copies
 from storage.hicache.tier import free_pages, pin_locks
 from storage.host import HostPool, HostPools
+from storage.kernels_path import transfer
 from storage.pools import COMPONENTS, SWA, KVPools
 from storage.radix import RadixTree
 from storage.radix.node import L1, L2, Node
@@ -67,7 +67,7 @@ class HostTier:
             return True
         host, l1 = self.pool(c), self.l1.pool(c).flat()
         self._count(c, node.num_pages)
-        kernels.l1_to_l2(l1, host.data, host.layout, list(node.l1[c]), dst, check=False)
+        transfer.l1_to_l2(l1, host.data, host.layout, list(node.l1[c]), dst, check=False)
         wait_copies(l1)   # the L1 pages are freed next, and ``then`` may read the host copy
         self.tree.set_l2(node, c, dst)
         if then is not None:
@@ -116,7 +116,7 @@ class HostTier:
         self._count(c, len(dst))
 
         def run(fut: LayerFuture) -> None:
-            kernels.l1_to_l2(l1, host.data, host.layout, src, dst, check=False)
+            transfer.l1_to_l2(l1, host.data, host.layout, src, dst, check=False)
 
         def done() -> None:
             landed: list[tuple[Node, str]] = []

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-import kernels
 from storage.copier import wait_copies
 from storage.hicache.hit import PrefixHit
 from storage.hicache.l1 import L1Space
 from storage.hicache.prefetch import Fetched
+from storage.kernels_path import transfer
 from storage.pools import FULL, SWA, KVPools
 from storage.radix import RadixTree
 from storage.radix.node import Node
@@ -35,9 +35,9 @@ def install(tree: RadixTree, pools: KVPools, l1: L1Space, l2, hit: PrefixHit, pa
     full_host, swa_host = l2.pool(FULL), l2.pool(SWA)
     l1_full = pools.full.allocator.alloc(m - m0)
     l1_swa = pools.swa.allocator.alloc(n_swa) if n_swa else []
-    kernels.l2_to_l1(pools.full.flat(), full_host.data, full_host.layout, h_full, l1_full, check=False)
+    transfer.l2_to_l1(pools.full.flat(), full_host.data, full_host.layout, h_full, l1_full, check=False)
     if n_swa:
-        kernels.l2_to_l1(pools.swa.flat(), swa_host.data, swa_host.layout, h_swa, l1_swa, check=False)
+        transfer.l2_to_l1(pools.swa.flat(), swa_host.data, swa_host.layout, h_swa, l1_swa, check=False)
     wait_copies(pools.full.kv)   # host pages read here may be freed below and refilled by the prefetcher
     # Pages before m0 keep the tree's own L1 pages (never reported as duplicates); SWA pages the tree
     # does not hold in L1 below m0 are simply not offered.

@@ -8,11 +8,11 @@ just stops short, never wrong tokens).
 """
 from __future__ import annotations
 
-import kernels
 from storage.copier import Copier, Job, LayerFuture
 from storage.hicache.prefetch import Prefetch
 from storage.hicache.prefetcher import Prefetcher
 from storage.hicache.tier import pin_locks
+from storage.kernels_path import transfer
 from storage.l3 import l3_key
 from storage.l3.base import L3Store
 from storage.l3.config import L3Config
@@ -81,7 +81,7 @@ class L3Tier:
     # ---- L3 -> L2 ------------------------------------------------------------------------------------
     def read_pages(self, host, keys: list[str], pages: list[int]) -> int:
         """batch_get into host pages (any thread); returns how many leading pages arrived intact."""
-        direct = host.layout != kernels.LAYER_FIRST
+        direct = host.layout != transfer.LAYER_FIRST
         bufs = [host.page(p) for p in pages]   # views for page-major layouts, copies for layer_first
         ok = self.store.batch_get(keys, bufs)
         n = 0

@@ -12,10 +12,10 @@ hit; ``used`` / ``wasted`` are the cache's, when the hit's request reads them or
 """
 from __future__ import annotations
 
-import kernels
 from storage.copier import Job, LayerFuture
 from storage.hicache.hit import PrefixHit
 from storage.hicache.l1 import L1Space
+from storage.kernels_path import transfer
 from storage.pools import FULL, SWA, KVPools
 from storage.radix import RadixTree
 from storage.radix.node import Node
@@ -104,7 +104,7 @@ class LoadBack:
                 host, l1 = self.l2.pool(c), self.pools.pool(c).flat()
                 for mc, src, dst in moves:
                     if mc == c:
-                        kernels.l2_to_l1(l1, host.data, host.layout, src, dst, layer=slot, check=False)
+                        transfer.l2_to_l1(l1, host.data, host.layout, src, dst, layer=slot, check=False)
                 f.set_layer(c, slot)
 
         def done() -> None:

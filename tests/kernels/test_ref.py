@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels
 from kernels.ref import L1_TO_L2, LAYOUTS, find_runs, l2_shape, ref_l1_to_l2, ref_l2_to_l1
+from storage.kernels_path import transfer
 from tests.kernels.conftest import (CASES, assert_same, index_sets, layer_of, make_pools, naive_copy, seed_of,
                                     src_dst_sizes)
 
@@ -30,7 +30,7 @@ def test_ref_matches_oracle(direction, layout, dtype, page_size, mode):
             _ref(direction)(*got, layout, si, di, layer, method=method)
             assert_same(got, want, f"ref method={method} n={len(src)}")
         got = (l1.clone(), l2.clone())
-        op = kernels.l1_to_l2 if direction == L1_TO_L2 else kernels.l2_to_l1
+        op = transfer.l1_to_l2 if direction == L1_TO_L2 else transfer.l2_to_l1
         assert op(*got, layout, src, dst, layer, page_size=page_size) == "torch"
         assert_same(got, want, f"dispatch n={len(src)}")
 
@@ -39,9 +39,9 @@ def test_round_trip_all_layouts():
     """Backup then load into other pages gives back the original pages, in every layout."""
     for layout in LAYOUTS:
         l1, l2 = make_pools(layout, torch.bfloat16, 16, seed=1)
-        kernels.l1_to_l2(l1, l2, layout, [0, 5, 3], [10, 2, 4])
+        transfer.l1_to_l2(l1, l2, layout, [0, 5, 3], [10, 2, 4])
         back = torch.zeros_like(l1)
-        kernels.l2_to_l1(back, l2, layout, [10, 2, 4], [1, 2, 8])
+        transfer.l2_to_l1(back, l2, layout, [10, 2, 4], [1, 2, 8])
         assert torch.equal(back[:, [1, 2, 8]], l1[:, [0, 5, 3]])
         assert not back[:, [0, 3, 4, 5, 6, 7]].any()
 
@@ -58,8 +58,8 @@ def test_empty_pool_without_layers():
     l1 = torch.zeros(0, 0, 32)
     for layout in LAYOUTS:
         l2 = torch.zeros(l2_shape(layout, 0, 0, 4, 32))
-        assert kernels.l1_to_l2(l1, l2, layout, [], []) == "torch"
-        assert kernels.l2_to_l1(l1, l2, layout, torch.empty(0, dtype=torch.int64), []) == "torch"
+        assert transfer.l1_to_l2(l1, l2, layout, [], []) == "torch"
+        assert transfer.l2_to_l1(l1, l2, layout, torch.empty(0, dtype=torch.int64), []) == "torch"
 
 
 @settings(max_examples=40, deadline=None)
@@ -78,6 +78,6 @@ def test_ref_random_shapes(layout, page_size, layers, data):
         want = (l1.clone(), l2.clone())
         naive_copy(*want, layout, direction, src, dst, layer)
         got = (l1.clone(), l2.clone())
-        op = kernels.l1_to_l2 if direction == L1_TO_L2 else kernels.l2_to_l1
+        op = transfer.l1_to_l2 if direction == L1_TO_L2 else transfer.l2_to_l1
         op(*got, layout, src, dst, layer)
         assert_same(got, want, f"{direction} {layout}")

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
 from kernels import triton_copy
 from kernels.ref import L1_TO_L2, LAYOUTS, plan
+from storage.kernels_path import transfer
 from tests.kernels.conftest import (CASES, assert_same, index_sets, layer_of, make_pools, naive_copy, seed_of,
                                     src_dst_sizes)
 
@@ -30,7 +30,7 @@ def test_triton_matches_oracle(direction, layout, dtype, page_size, mode):
     seed = seed_of(direction, layout, dtype, page_size, mode)
     layer = layer_of(mode, seed)
     l1, l2 = make_pools(layout, dtype, page_size, seed)
-    op = kernels.l1_to_l2 if direction == L1_TO_L2 else kernels.l2_to_l1
+    op = transfer.l1_to_l2 if direction == L1_TO_L2 else transfer.l2_to_l1
     for src, dst in index_sets(*src_dst_sizes(direction), seed):
         want = (l1.clone(), l2.clone())
         naive_copy(*want, layout, direction, src, dst, layer)
@@ -57,4 +57,4 @@ def test_triton_needs_gpu_or_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     l1, l2 = make_pools("layer_first", torch.float32, 1, seed=0)
     with pytest.raises(ValueError, match="triton"):
-        kernels.l1_to_l2(l1, l2, "layer_first", [0], [0], backend="triton")
+        transfer.l1_to_l2(l1, l2, "layer_first", [0], [0], backend="triton")

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
 from kernels.ref import l2_shape
+from storage.kernels_path import transfer
 
 L, P1, P2, PS, E = 2, 6, 5, 4, 32  # E = 2 * PS * H * D with H * D = 4
 
@@ -48,7 +48,7 @@ def test_bad_arguments(kwargs, match):
 
     def call():
         with pytest.raises(ValueError, match=match):
-            kernels.l1_to_l2(l1, l2, args["layout"], args["src"], args["dst"], args["layer"],
+            transfer.l1_to_l2(l1, l2, args["layout"], args["src"], args["dst"], args["layer"],
                              page_size=args["page_size"], backend=args["backend"])
     assert _unchanged_after(call, l1, l2)
 
@@ -56,16 +56,16 @@ def test_bad_arguments(kwargs, match):
 def test_load_direction_bounds_use_l2_for_sources():
     l1, l2 = pools()
     with pytest.raises(ValueError, match=f"src_pages has page {P2} out of range .* L2 pool"):
-        kernels.l2_to_l1(l1, l2, "page_first", [P2], [0])
+        transfer.l2_to_l1(l1, l2, "page_first", [P2], [0])
     with pytest.raises(ValueError, match=f"dst_pages has page {P1} out of range .* L1 pool"):
-        kernels.l2_to_l1(l1, l2, "page_first", [0], [P1])
+        transfer.l2_to_l1(l1, l2, "page_first", [0], [P1])
     with pytest.raises(ValueError, match="duplicate destination page 0"):
-        kernels.l2_to_l1(l1, l2, "page_first", [1, 2], [0, 0])
+        transfer.l2_to_l1(l1, l2, "page_first", [1, 2], [0, 0])
 
 
 def test_duplicate_sources_are_allowed():
     l1, l2 = pools()
-    kernels.l1_to_l2(l1, l2, "page_first", [1, 1], [0, 4])
+    transfer.l1_to_l2(l1, l2, "page_first", [1, 1], [0, 4])
     assert torch.equal(l2[0], l2[4])
 
 
@@ -73,18 +73,18 @@ def test_dtype_mismatch():
     l1, _ = pools()
     _, l2 = pools(dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="dtype mismatch: l1 is torch.float32, l2 is torch.bfloat16"):
-        kernels.l1_to_l2(l1, l2, "page_first", [0], [0])
+        transfer.l1_to_l2(l1, l2, "page_first", [0], [0])
 
 
-@pytest.mark.parametrize("layout", kernels.LAYOUTS)
+@pytest.mark.parametrize("layout", transfer.LAYOUTS)
 def test_non_contiguous(layout):
     l1, l2 = pools(layout)
     wide = torch.randn(L, P1, 2 * E)
     with pytest.raises(ValueError, match="l1 must be contiguous"):
-        kernels.l1_to_l2(wide[:, :, :E], l2, layout, [0], [0])
+        transfer.l1_to_l2(wide[:, :, :E], l2, layout, [0], [0])
     big = torch.randn(*l2.shape[:-1], 2 * l2.shape[-1])
     with pytest.raises(ValueError, match="l2 must be contiguous"):
-        kernels.l2_to_l1(l1, big[..., :l2.shape[-1]], layout, [0], [0])
+        transfer.l2_to_l1(l1, big[..., :l2.shape[-1]], layout, [0], [0])
 
 
 @pytest.mark.parametrize("layout,bad_shape,match", [
@@ -101,57 +101,57 @@ def test_non_contiguous(layout):
 def test_shape_disagreement(layout, bad_shape, match):
     l1, _ = pools()
     with pytest.raises(ValueError, match=match):
-        kernels.l1_to_l2(l1, torch.zeros(bad_shape), layout, [0], [0])
+        transfer.l1_to_l2(l1, torch.zeros(bad_shape), layout, [0], [0])
 
 
 def test_l1_shape_and_types():
     _, l2 = pools()
     with pytest.raises(ValueError, match="l1 must be \\[L, P1, E\\]"):
-        kernels.l1_to_l2(torch.zeros(L, P1, 2, PS, 4), l2, "page_first", [0], [0])
+        transfer.l1_to_l2(torch.zeros(L, P1, 2, PS, 4), l2, "page_first", [0], [0])
     with pytest.raises(ValueError, match="must be tensors"):
-        kernels.l1_to_l2(None, l2, "page_first", [0], [0])
+        transfer.l1_to_l2(None, l2, "page_first", [0], [0])
 
 
 def test_shared_storage_rejected():
     buf = torch.zeros(2 * L * P1 * E)
     l1, l2 = buf[: L * P1 * E].view(L, P1, E), buf[L * P1 * E:].view(L, P1, E)
     with pytest.raises(ValueError, match="share storage"):
-        kernels.l1_to_l2(l1, l2, "layer_first", [0], [0])
+        transfer.l1_to_l2(l1, l2, "layer_first", [0], [0])
 
 
 def test_empty_lists_are_a_noop():
-    for layout in kernels.LAYOUTS:
+    for layout in transfer.LAYOUTS:
         l1, l2 = pools(layout)
-        assert _unchanged_after(lambda: kernels.l1_to_l2(l1, l2, layout, [], []), l1, l2)
-        assert _unchanged_after(lambda: kernels.l2_to_l1(l1, l2, layout, torch.tensor([], dtype=torch.int32),
+        assert _unchanged_after(lambda: transfer.l1_to_l2(l1, l2, layout, [], []), l1, l2)
+        assert _unchanged_after(lambda: transfer.l2_to_l1(l1, l2, layout, torch.tensor([], dtype=torch.int32),
                                                          (), layer=1), l1, l2)
 
 
 def test_check_false_skips_only_index_checks():
     l1, l2 = pools()
-    kernels.l1_to_l2(l1, l2, "page_first", [0, 1], [2, 3], check=False)
+    transfer.l1_to_l2(l1, l2, "page_first", [0, 1], [2, 3], check=False)
     assert torch.equal(l2[2].transpose(0, 1).reshape(L, E), l1[:, 0])
     with pytest.raises(ValueError, match="dtype mismatch"):
-        kernels.l1_to_l2(l1, l2.half(), "page_first", [0], [0], check=False)
+        transfer.l1_to_l2(l1, l2.half(), "page_first", [0], [0], check=False)
 
 
 def test_index_tensor_dtypes_accepted():
     l1, l2 = pools()
-    kernels.l1_to_l2(l1, l2, "page_first", torch.tensor([1], dtype=torch.int32), torch.tensor([2], dtype=torch.int16))
+    transfer.l1_to_l2(l1, l2, "page_first", torch.tensor([1], dtype=torch.int32), torch.tensor([2], dtype=torch.int16))
     assert torch.equal(l2[2].transpose(0, 1).reshape(L, E), l1[:, 1])
 
 
 def test_dispatch_on_cpu_is_torch():
-    assert kernels.select_backend("cpu") == "torch"
+    assert transfer.select_backend("cpu") == "torch"
 
 
 def test_l2_shape_and_alloc():
-    assert kernels.l2_shape("layer_first", 3, 7, 16, 256) == (3, 7, 256)
-    assert kernels.l2_shape("page_first", 3, 7, 16, 256) == (7, 16, 3, 16)
-    assert kernels.l2_shape("page_first_direct", 3, 7, 16, 256) == (7, 3, 256)
+    assert transfer.l2_shape("layer_first", 3, 7, 16, 256) == (3, 7, 256)
+    assert transfer.l2_shape("page_first", 3, 7, 16, 256) == (7, 16, 3, 16)
+    assert transfer.l2_shape("page_first_direct", 3, 7, 16, 256) == (7, 3, 256)
     with pytest.raises(ValueError, match="unknown L2 layout"):
-        kernels.l2_shape("nope", 1, 1, 1, 2)
+        transfer.l2_shape("nope", 1, 1, 1, 2)
     with pytest.raises(ValueError, match="not a multiple of page_size"):
-        kernels.l2_shape("page_first", 1, 1, 3, 8)
-    t = kernels.alloc_l2("page_first_direct", 2, 3, 4, 8, torch.bfloat16)
+        transfer.l2_shape("page_first", 1, 1, 3, 8)
+    t = transfer.alloc_l2("page_first_direct", 2, 3, 4, 8, torch.bfloat16)
     assert t.shape == (3, 2, 8) and t.dtype == torch.bfloat16 and not t.any()

@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-import kernels
 from storage.host import HostPool
+from storage.kernels_path import transfer
 from storage.l3 import HEADER_BYTES, STAT_KEYS, L3Config, l3_key, make_store
 from storage.l3.base import key_digest
 from storage.pools import KVPool
@@ -77,7 +77,7 @@ def host_pool(layout: str, dtype, pages: int = 6) -> HostPool:
     return HostPool(l1, pages, layout)
 
 
-@pytest.mark.parametrize("layout", kernels.LAYOUTS)
+@pytest.mark.parametrize("layout", transfer.LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_roundtrip_host_layouts(store, keys, layout, dtype):
     src, dst = host_pool(layout, dtype), host_pool(layout, dtype)
@@ -86,7 +86,7 @@ def test_roundtrip_host_layouts(store, keys, layout, dtype):
     store.register(dst.data)
     ks = keys(src.num_pages, component=f"{layout}-{dtype}")
     assert store.batch_set(ks, [src.page(p) for p in range(src.num_pages)]) == [True] * src.num_pages
-    if layout == kernels.PAGE_FIRST_DIRECT:
+    if layout == transfer.PAGE_FIRST_DIRECT:
         # page() is a view: the store fills the pool in place (zero-copy into registered memory)
         assert store.batch_get(ks, [dst.page(p) for p in range(dst.num_pages)]) == [True] * dst.num_pages
     else:

@@ -1,6 +1,7 @@
 """Reference generations from transformers' own GptOss implementation (the test oracle)."""
 from __future__ import annotations
 
+import inspect
 from typing import NamedTuple
 
 import torch
@@ -21,13 +22,15 @@ def load_hf(path):
 @torch.no_grad()
 def hf_greedy(model, prompt: list[int], n: int) -> HFOutput:
     """Greedy tokens and the logits each of them was chosen from."""
+    # transformers 5.25 renamed the forward's `past_key_values` (and the output's) to `cache`; the old name
+    # warns and goes in 5.40.
+    new_name = "cache" in inspect.signature(model.forward).parameters
     r = model(torch.tensor([prompt]), use_cache=True)
-    past, logits = r.past_key_values, r.logits[0, -1]
     toks, steps = [], []
     for _ in range(n):
+        past, logits = (r.cache if new_name else r.past_key_values), r.logits[0, -1]
         t = int(logits.argmax())
         toks.append(t)
         steps.append(logits.clone())
-        r = model(torch.tensor([[t]]), past_key_values=past, use_cache=True)
-        past, logits = r.past_key_values, r.logits[0, -1]
+        r = model(torch.tensor([[t]]), use_cache=True, **{"cache" if new_name else "past_key_values": past})
     return HFOutput(toks, steps, len(prompt))

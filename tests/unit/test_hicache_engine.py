@@ -133,7 +133,7 @@ def test_slow_background_copies_are_waited_for_and_survive_splits(monkeypatch):
 
     import storage.hicache as hc
 
-    real_load, real_backup = hc.kernels.l2_to_l1, hc.kernels.l1_to_l2
+    real_load, real_backup = hc.transfer.l2_to_l1, hc.transfer.l1_to_l2
 
     def slow(fn):
         def wrapped(*a, **kw):
@@ -141,7 +141,7 @@ def test_slow_background_copies_are_waited_for_and_survive_splits(monkeypatch):
             return fn(*a, **kw)
         return wrapped
 
-    monkeypatch.setattr(hc.kernels, "l2_to_l1", slow(real_load))
-    monkeypatch.setattr(hc.kernels, "l1_to_l2", slow(real_backup))
+    monkeypatch.setattr(hc.transfer, "l2_to_l1", slow(real_load))
+    monkeypatch.setattr(hc.transfer, "l1_to_l2", slow(real_backup))
     test_concurrent_conversations_with_preemption_and_eviction_stay_exact()
     test_write_policies_under_l1_pressure_keep_tokens_exact("write_through")

@@ -5,9 +5,9 @@ import os
 import pytest
 import torch
 
-import kernels
 from engine import Engine, SamplingParams
 from storage.config import HiCacheConfig
+from storage.kernels_path import transfer
 from storage.l3 import L3Config
 from storage.pools import FULL, SWA
 from tests import numerics
@@ -80,8 +80,8 @@ def test_a_steps_new_prompts_go_to_l2_in_one_copy_and_to_l3_in_one_store_batch(t
     ps = [shared + torch.randint(0, 256, (16,), generator=g).tolist() for _ in range(2)]   # split at page 2
     ps += [torch.randint(0, 256, (48,), generator=g).tolist() for _ in range(6)]
     copies, sets = [], []
-    real_copy = kernels.l1_to_l2
-    monkeypatch.setattr(kernels, "l1_to_l2", lambda *a, **kw: copies.append(len(a[3])) or real_copy(*a, **kw))
+    real_copy = transfer.l1_to_l2
+    monkeypatch.setattr(transfer, "l1_to_l2", lambda *a, **kw: copies.append(len(a[3])) or real_copy(*a, **kw))
     store = e.cache.l3.store
     real_set = store.batch_set
     monkeypatch.setattr(store, "batch_set", lambda keys, pages: sets.append(len(keys)) or real_set(keys, pages))

@@ -20,12 +20,14 @@ from cluster.config import load_config
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(p.name for p in (ROOT / "cluster/configs").glob("*.yaml"))
 
-# A child process where importing torch (or transformers) fails, so that the module that tries is named.
+# A child process where importing torch (or transformers, or `kernels`: strata's copies need torch, and
+# Hugging Face's package under that name loads huggingface_hub, ~0.3 s) fails, so that the module that tries
+# is named.
 REFUSE = """
 import sys
 class Refuse:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("torch", "transformers"):
+        if name.split(".")[0] in ("torch", "transformers", "kernels"):
             raise ImportError(f"{name} imported")
 sys.meta_path.insert(0, Refuse())
 """
@@ -34,7 +36,7 @@ import pickle
 import actors.ingress, actors.router, actors.worker, actors.eplb_actor, cluster.cli
 every = pickle.loads(sys.stdin.buffer.read())
 assert len(every) > 10 and all(s.engine.page_size > 0 for s in every)
-print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers")))
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "kernels")))
 """
 
 
@@ -83,7 +85,7 @@ for path in [resolve_model_path("strata-tiny")] + [Path(p) for p in json.loads(s
     KVGeometry.from_layers(mc.layer_types, mc.sliding_window, 16)
     out[path.name] = [mc.architecture, list(mc.layer_types), mc.sliding_window, model_id(path, mc, EngineConfig())]
 print(json.dumps(out))
-print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers")))
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "kernels")))
 """
 
 

@@ -1,4 +1,5 @@
-"""KV page transfer between the L1 (device) pool and the L2 (host) pool -- the only entry point callers use.
+"""KV page transfer between the L1 (device) pool and the L2 (host) pool -- the only entry point callers use
+(import it as ``from storage.kernels_path import transfer``: kernels/ is a namespace package, see there).
 
 Shapes (``L`` pool layers, ``E = 2 * page_size * H * D`` elements per page of one layer)::
 
